@@ -1,0 +1,48 @@
+# kvfleet: every target sets up what it needs (venv, installs) so a fresh machine needs only `make`.
+PYTHON ?= python3
+VENV ?= .venv
+# torch pin: on a CPU-only machine here it resolves to the local CPU wheel; on a CUDA machine the same
+# pin resolves to PyPI's CUDA build. Override with e.g. `make TORCH_CONSTRAINTS=/dev/null`.
+TORCH_CONSTRAINTS ?= constraints/torch.txt
+BIN := $(VENV)/bin
+PYTEST_ARGS ?=
+
+.PHONY: venv serve test test-fast lint fmt bench tools clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml $(TORCH_CONSTRAINTS)
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -c $(TORCH_CONSTRAINTS) -e '.[test,dev]'
+	touch $@
+
+# Test tools that are not Python packages: Prometheus (promtool + server) for the /metrics tests.
+tools:
+	@command -v promtool >/dev/null 2>&1 || { \
+	  apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; }
+	@command -v kubectl >/dev/null 2>&1 || echo "kubectl not found: the kustomize render test will be skipped"
+
+serve: venv
+	RAY_USAGE_STATS_ENABLED=0 $(BIN)/serve run deployment:app
+
+test: venv tools
+	RAY_USAGE_STATS_ENABLED=0 $(BIN)/ruff check .
+	RAY_USAGE_STATS_ENABLED=0 $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-fast: venv
+	$(BIN)/python -m pytest -m "not ray and not e2e and not slow and not gpu" $(PYTEST_ARGS)
+
+lint: venv
+	$(BIN)/ruff check .
+
+fmt: venv
+	$(BIN)/ruff format . && $(BIN)/ruff check --fix .
+
+bench: venv
+	$(BIN)/python bench/kvcache_bench.py
+	$(BIN)/python bench/aggregator_bench.py
+	$(BIN)/python bench/engine_bench.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

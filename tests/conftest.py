@@ -1,0 +1,46 @@
+"""Shared fixtures: one local Ray cluster per test session, sized for a 2-core machine."""
+
+import os
+
+import pytest
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    cuda = _has_cuda()
+    for item in items:
+        if "gpu" in item.keywords and not cuda:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray cluster shared by every test that needs Ray (logical CPUs > cores: actors mostly wait)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(
+            num_cpus=8,
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+            object_store_memory=200 * 1024 * 1024,
+        )
+    yield ray
+    try:
+        from ray import serve
+
+        serve.shutdown()
+    except Exception:
+        pass
+    ray.shutdown()
