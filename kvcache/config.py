@@ -1,0 +1,137 @@
+"""Configuration of one rank's KV cache, and the life cycles and pool groups derived from it.
+
+A life cycle is one distinct attention shape `(window_size, num_sink_tokens)`; a pool group is the set of
+life cycles whose slots have the same size, so they can share one pool of slots per tier. Normalisations
+(written down here because the spec leaves them open): a window `>= max_seq_len` is full attention, and full
+attention ignores sink tokens, so `(None, s)` is the same life cycle as `(None, 0)`.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionLayerConfig:
+    layer_id: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype = torch.float16
+    window_size: int | None = None
+    num_sink_tokens: int = 0
+
+    @property
+    def block_layer_bytes(self) -> int:
+        """Bytes of one token's K or V in this layer, times nothing: multiply by tokens and 2 (K and V)."""
+        return self.num_kv_heads * self.head_dim * torch.tensor([], dtype=self.dtype).element_size()
+
+
+@dataclass
+class KVCacheManagerConfig:
+    tokens_per_block: int
+    max_seq_len: int
+    layers: list[AttentionLayerConfig]
+    gpu_cache_bytes: int
+    host_cache_bytes: int = 0
+    enable_block_reuse: bool = True
+    enable_partial_reuse: bool = True
+    enable_stats: bool = True
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.tokens_per_block < 1:
+            raise ValueError(f"tokens_per_block must be >= 1, got {self.tokens_per_block}")
+        if self.max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be >= 1, got {self.max_seq_len}")
+        if not self.layers:
+            raise ValueError("at least one attention layer is required")
+        ids = [layer.layer_id for layer in self.layers]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"duplicate layer ids: {ids}")
+        for layer in self.layers:
+            if layer.num_kv_heads < 1 or layer.head_dim < 1:
+                raise ValueError(f"layer {layer.layer_id}: num_kv_heads and head_dim must be >= 1")
+            if layer.window_size is not None and layer.window_size < 1:
+                raise ValueError(f"layer {layer.layer_id}: window_size must be >= 1 or None")
+            if layer.num_sink_tokens < 0:
+                raise ValueError(f"layer {layer.layer_id}: num_sink_tokens must be >= 0")
+        if self.gpu_cache_bytes < 0 or self.host_cache_bytes < 0:
+            raise ValueError("cache byte budgets must be >= 0")
+
+
+@dataclass
+class LifeCycle:
+    id: int
+    window_size: int | None  # None = full attention
+    num_sink_tokens: int
+    window_key: str  # the window size, or max_seq_len for full attention
+    sink_blocks: int
+    layers: list[AttentionLayerConfig] = field(default_factory=list)
+    slot_bytes: int = 0
+    pool_group: int = -1
+    # byte offset of each layer's K inside a slot (V follows K)
+    layer_offsets: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def kind(self) -> str:
+        return "full" if self.window_size is None else "sliding"
+
+    def stale_end(self, history: int, tokens_per_block: int) -> int:
+        """End (exclusive) of the stale range at `history`; the range starts at min(nb, sink_blocks)."""
+        if self.window_size is None:
+            return 0
+        nb = -(-history // tokens_per_block)
+        start = min(nb, self.sink_blocks)
+        return max(start, (history + 1 - self.window_size) // tokens_per_block)
+
+
+@dataclass
+class PoolGroup:
+    id: int
+    slot_bytes: int
+    life_cycles: list[int]
+    window_keys: list[int]  # sorted, as ints
+
+
+def derive_layout(cfg: KVCacheManagerConfig) -> tuple[list[LifeCycle], list[PoolGroup]]:
+    """Group layers into life cycles (in layer order) and life cycles into pool groups by slot size."""
+    B = cfg.tokens_per_block
+    by_shape: dict[tuple[int | None, int], LifeCycle] = {}
+    life_cycles: list[LifeCycle] = []
+    for layer in cfg.layers:
+        window = layer.window_size
+        if window is not None and window >= cfg.max_seq_len:
+            window = None
+        sinks = 0 if window is None else layer.num_sink_tokens
+        shape = (window, sinks)
+        lc = by_shape.get(shape)
+        if lc is None:
+            key = str(cfg.max_seq_len if window is None else window)
+            lc = LifeCycle(len(life_cycles), window, sinks, key, -(-sinks // B))
+            by_shape[shape] = lc
+            life_cycles.append(lc)
+        lc.layer_offsets[layer.layer_id] = lc.slot_bytes
+        lc.layers.append(layer)
+        lc.slot_bytes += 2 * B * layer.block_layer_bytes
+    groups: dict[int, PoolGroup] = {}
+    for lc in life_cycles:
+        pg = groups.get(lc.slot_bytes)
+        if pg is None:
+            pg = groups[lc.slot_bytes] = PoolGroup(len(groups), lc.slot_bytes, [], [])
+        pg.life_cycles.append(lc.id)
+        lc.pool_group = pg.id
+    pool_groups = sorted(groups.values(), key=lambda g: g.id)
+    for pg in pool_groups:
+        pg.window_keys = sorted({int(life_cycles[i].window_key) for i in pg.life_cycles})
+    return life_cycles, pool_groups
+
+
+def split_quota(quota_bytes: int, pool_groups: list[PoolGroup]) -> list[int]:
+    """Slots per pool group for a byte quota: every life cycle gets the same number of slots.
+
+    Solving n * sum(lcs_in_pg * slot_bytes) <= quota for n keeps the split fair between life cycles; a pool
+    group holds n slots per life cycle it serves.
+    """
+    per_unit = sum(len(pg.life_cycles) * pg.slot_bytes for pg in pool_groups)
+    n = quota_bytes // per_unit if per_unit else 0
+    return [n * len(pg.life_cycles) for pg in pool_groups]

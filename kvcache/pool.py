@@ -1,0 +1,64 @@
+"""Pages and slot pools: where one tier of one pool group keeps its blocks.
+
+A `Page` is one stored token block of one life cycle (the KV of all its layers); it lives in a slot of a
+`SlotPool`, moves between tiers by a real tensor copy, and is shared by every request and tree node that
+points at it. A pool keeps three O(1) sets so that gauges never need a scan: the free slots, the evictable
+pages (published, held by nobody; LRU per priority) and, on the primary tier, the suspended pages (held
+only by inactive requests, so they may be offloaded).
+"""
+
+import torch
+
+DEFAULT_PRIORITY = 35  # TensorRT-LLM's default retention priority; lower is evicted first
+
+
+class Page:
+    __slots__ = ("lc", "tier", "slot", "ref", "active_ref", "node", "priority")
+
+    def __init__(self, lc: int, tier: int, slot: int, priority: int = DEFAULT_PRIORITY) -> None:
+        self.lc = lc
+        self.tier = tier
+        self.slot = slot
+        self.ref = 0  # requests holding the page
+        self.active_ref = 0  # of those, the active (resumed) ones
+        self.node = None  # the reuse-tree node that publishes it, if any
+        self.priority = priority
+
+
+class SlotPool:
+    __slots__ = ("tensor", "num_slots", "free", "evictable", "num_evictable", "suspended")
+
+    def __init__(self, num_slots: int, slot_bytes: int, device: str, pin: bool = False) -> None:
+        self.num_slots = num_slots
+        self.tensor = torch.empty((num_slots, slot_bytes), dtype=torch.uint8, device=device, pin_memory=pin)
+        self.free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self.evictable: dict[int, dict[Page, None]] = {}  # priority -> insertion-ordered LRU
+        self.num_evictable = 0
+        self.suspended: dict[Page, None] = {}
+
+    def add_evictable(self, page: Page) -> None:
+        lru = self.evictable.get(page.priority)
+        if lru is None:
+            lru = self.evictable[page.priority] = {}
+        lru[page] = None
+        self.num_evictable += 1
+
+    def remove_evictable(self, page: Page) -> None:
+        del self.evictable[page.priority][page]
+        self.num_evictable -= 1
+
+    def pop_evictable(self) -> Page:
+        """The least recently released page of the lowest priority."""
+        for prio in sorted(self.evictable):
+            lru = self.evictable[prio]
+            if lru:
+                page = next(iter(lru))
+                del lru[page]
+                self.num_evictable -= 1
+                return page
+        raise LookupError("no evictable page")
+
+    def gauges(self) -> tuple[int, int, int, int]:
+        """(max, free incl. evictable, used, evictable)."""
+        free = len(self.free) + self.num_evictable
+        return self.num_slots, free, self.num_slots - free, self.num_evictable

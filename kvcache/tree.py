@@ -1,0 +1,55 @@
+"""The reuse tree: published token blocks, chained from a per-salt root.
+
+A node is one token block (`tokens_per_block` tokens, or fewer for a trailing partial block published on
+close) under its parent; its key is the tuple of its tokens, looked up in the parent's children, so keys are
+verified against the stored tokens and cannot collide. Each node holds one page per life cycle (None where
+that life cycle's page was dropped or never stored, e.g. stale sliding-window blocks).
+"""
+
+
+class Node:
+    __slots__ = ("tokens", "parent", "children", "by_first", "pages", "depth")
+
+    def __init__(self, tokens: tuple, parent: "Node | None", num_life_cycles: int) -> None:
+        self.tokens = tokens
+        self.parent = parent
+        self.children: dict[tuple, Node] = {}
+        self.by_first: dict[int, list[Node]] = {}  # first token -> children, for partial matching
+        self.pages: list = [None] * num_life_cycles
+        self.depth = 0 if parent is None else parent.depth + 1  # block ordinal + 1; root is 0
+
+    def child(self, tokens: tuple, num_life_cycles: int) -> "Node":
+        node = self.children.get(tokens)
+        if node is None:
+            node = Node(tokens, self, num_life_cycles)
+            self.children[tokens] = node
+            self.by_first.setdefault(tokens[0], []).append(node)
+        return node
+
+    def best_partial(self, tokens: list, limit: int) -> tuple["Node | None", int]:
+        """The child sharing the longest common prefix (< its length or partial) with `tokens[:limit]`."""
+        best, best_len = None, 0
+        if limit <= 0:
+            return best, best_len
+        for node in self.by_first.get(tokens[0], ()):
+            n = 0
+            for a, b in zip(node.tokens, tokens[:limit], strict=False):
+                if a != b:
+                    break
+                n += 1
+            if n > best_len and any(p is not None for p in node.pages):
+                best, best_len = node, n
+        return best, best_len
+
+    def prune(self) -> None:
+        """Remove this node and its empty ancestors once they hold no page and no child."""
+        node = self
+        while node.parent is not None and not node.children and all(p is None for p in node.pages):
+            parent = node.parent
+            del parent.children[node.tokens]
+            siblings = parent.by_first[node.tokens[0]]
+            siblings.remove(node)
+            if not siblings:
+                del parent.by_first[node.tokens[0]]
+            node.parent = None
+            node = parent

@@ -1,0 +1,43 @@
+"""Small builders shared by the kvcache tests."""
+
+import torch
+
+from kvcache import AttentionLayerConfig, KVCacheManager, KVCacheManagerConfig
+
+SLOT = 2 << 20  # one slot of the spec's worked examples: 2 * 4 tokens * 128 heads * 1024 dims * 2 bytes
+
+
+def spec_manager(**overrides) -> KVCacheManager:
+    """The spec's worked-example manager: B=4, one fp16 layer of 128x1024, max_seq_len 16, 4 primary slots."""
+    cfg = dict(
+        tokens_per_block=4,
+        max_seq_len=16,
+        layers=[AttentionLayerConfig(layer_id=0, num_kv_heads=128, head_dim=1024, dtype=torch.float16,
+                                     window_size=None, num_sink_tokens=0)],
+        gpu_cache_bytes=8 << 20,
+        host_cache_bytes=0,
+        enable_block_reuse=True,
+        enable_partial_reuse=True,
+        enable_stats=True,
+        device="cpu",
+    )
+    cfg.update(overrides)
+    return KVCacheManager(KVCacheManagerConfig(**cfg))
+
+
+def small_manager(windows=(None,), sinks=0, primary_slots=8, host_slots=0, B=4, max_seq_len=64, **kw):
+    """Tiny layers (1 head x 4 dims fp32 -> 2*B*16 bytes a layer) so tests allocate kilobytes."""
+    layers = [AttentionLayerConfig(i, 1, 4, torch.float32, w, sinks if w else 0) for i, w in enumerate(windows)]
+    lcs = len({(w if w and w < max_seq_len else None) for w in windows})
+    per_lc = 2 * B * 16 * (len(layers) // lcs)
+    return KVCacheManager(KVCacheManagerConfig(
+        tokens_per_block=B, max_seq_len=max_seq_len, layers=layers,
+        gpu_cache_bytes=primary_slots * per_lc * lcs, host_cache_bytes=host_slots * per_lc * lcs, **kw))
+
+
+def bucket(mgr, window="16") -> dict:
+    return mgr.get_iteration_stats().to_dict()["kvCacheIterationStats"][window]
+
+
+def nonzero(d: dict) -> dict:
+    return {k: v for k, v in d.items() if v and k.startswith("iter")}
