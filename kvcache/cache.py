@@ -226,16 +226,12 @@ class KVCache:
 
     def resize(self, capacity: int) -> bool:
         """Grow or shrink to `capacity` tokens. False = no room, and nothing changed."""
-        self._check_open("resize")
-        if not self._active:
-            raise KVCacheError(f"request {self.request_id!r}: resize() of an inactive cache; resume() first")
         mgr = self._mgr
-        if capacity < self._history:
-            raise KVCacheError(f"request {self.request_id!r}: resize({capacity}) below history_length "
-                               f"{self._history}")
-        if capacity > mgr.config.max_seq_len:
-            raise KVCacheError(f"request {self.request_id!r}: resize({capacity}) beyond max_seq_len "
-                               f"{mgr.config.max_seq_len}")
+        if not self._active or not self._history <= capacity <= mgr.config.max_seq_len:
+            self._check_resize(capacity)
+        if -(-capacity // mgr.tokens_per_block) == self._nb:  # the common decode step: no new block
+            self._capacity = capacity
+            return True
         B = mgr.tokens_per_block
         old, new = self._nb, -(-capacity // B)
         if new > old:
@@ -275,6 +271,16 @@ class KVCache:
         self._capacity = capacity
         return True
 
+    def _check_resize(self, capacity: int) -> None:
+        self._check_open("resize")
+        if not self._active:
+            raise KVCacheError(f"request {self.request_id!r}: resize() of an inactive cache; resume() first")
+        if capacity < self._history:
+            raise KVCacheError(f"request {self.request_id!r}: resize({capacity}) below history_length "
+                               f"{self._history}")
+        raise KVCacheError(f"request {self.request_id!r}: resize({capacity}) beyond max_seq_len "
+                           f"{self._mgr.config.max_seq_len}")
+
     def _add_segment(self, lc: int, start: int, end: int, kind: int) -> None:
         segs = self._segs[lc]
         if segs and segs[-1][1] == start and segs[-1][2] == kind:
@@ -285,19 +291,19 @@ class KVCache:
 
     def commit(self, tokens) -> None:
         """These tokens' KV is written: history grows, full blocks are published, stale blocks released."""
-        self._check_open("commit")
         if not self._active:
+            self._check_open("commit")
             raise KVCacheError(f"request {self.request_id!r}: commit() of an inactive cache; resume() first")
         n = len(tokens)
         h = self._history + n
         if h > self._capacity:
             raise KVCacheError(f"request {self.request_id!r}: commit of {n} tokens beyond capacity "
                                f"{self._capacity} (history {self._history})")
-        self._tokens.extend(tokens)
+        self._tokens += tokens
         self._history = h
         mgr = self._mgr
         B = mgr.tokens_per_block
-        if self._root is not None:
+        if self._root is not None and h // B > len(self._nodes):
             for o in range(len(self._nodes), h // B):
                 self._publish(o, B)
         for lc in mgr._swa:
@@ -329,7 +335,7 @@ class KVCache:
         mgr = self._mgr
         if mgr._dirty and self._stats:
             mgr._sample_peaks()
-        if not self._pending:
+        if not self._pending:  # most decode steps
             return EMPTY_DELTA
         alloc = missed = reused = 0
         for lc, segs in enumerate(self._segs):
