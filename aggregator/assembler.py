@@ -1,0 +1,299 @@
+"""The iteration assembler (no Ray): rank messages in, cluster records out, in iteration order.
+
+Holds what the StatsAggregator actor must decide, with an injectable clock so every rule is testable
+without Ray or sleeping:
+- dedupe by (incarnation, seq); a merged outbox message also marks its `merged_seqs` seen;
+- iteration i is emitted when every expected rank reported it, or `stats_timeout_s` after its first
+  message with `complete: false` and `missingRanks`; records leave strictly in increasing `iter` order
+  (a complete iteration waits behind an older pending one);
+- a message whose iteration was already emitted is a late delta: its counters (tp rule of merge.py) go
+  into the next emitted record and are counted in `lateDeltas`; its gauges are not used;
+- a merged message covering iterations [a, b] reports its rank for all of them, its counters count at b;
+- a message is acknowledged only once its counters are in an emitted record, so a rank's outbox keeps
+  it (and re-sends it to a restarted aggregator) until then: no iteration's counts are lost across an
+  aggregator restart.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from .merge import VIEWS, ClusterCumulative, add_counters, finish_hit_rates, merge_iteration, sort_views
+
+REQUIRED = {"engine_id": str, "rank": int, "dp_rank": int, "tp_rank": int, "incarnation": str,
+            "iteration": int, "seq": int, "report": dict}
+
+
+class MessageError(ValueError):
+    """A rank message that cannot be merged (wrong shape or wrong rank layout)."""
+
+
+def iso_timestamp(unix_s: float) -> str:
+    return datetime.fromtimestamp(unix_s, UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+
+
+def validate_message(m: Any, engine_id: str, world_size: int, tp: int) -> None:
+    """Raise MessageError saying what is wrong with rank message `m`."""
+    if not isinstance(m, dict):
+        raise MessageError(f"message must be a dict, got {type(m).__name__}")
+    for k, t in REQUIRED.items():
+        v = m.get(k)
+        if type(v) is not t and not (t is dict and isinstance(v, dict)):  # exact: bool is no int here
+            if k not in m:
+                raise MessageError(f"message lacks {k!r}")
+            raise MessageError(f"{k!r} must be {t.__name__}, got {type(v).__name__}")
+    if m["engine_id"] != engine_id:
+        raise MessageError(f"engine_id {m['engine_id']!r} is not this aggregator's {engine_id!r}")
+    r = m["rank"]
+    if not 0 <= r < world_size:
+        raise MessageError(f"rank {r} outside world_size {world_size}")
+    if (m["dp_rank"], m["tp_rank"]) != (r // tp, r % tp):
+        raise MessageError(f"rank {r} must have dp_rank {r // tp}, tp_rank {r % tp} with tp={tp}")
+    if m["iteration"] < 0 or m["seq"] < 0:
+        raise MessageError("iteration and seq must be >= 0")
+    its = m.get("iterations")
+    if its is not None and (
+        not isinstance(its, list | tuple) or len(its) != 2 or not its[0] <= its[1] == m["iteration"]
+    ):
+        raise MessageError("'iterations' must be [first, last] with last == iteration")
+    for view in VIEWS:
+        if not isinstance(m["report"].get(view, {}), dict):
+            raise MessageError(f"report[{view!r}] must be a dict")
+    if m.get("kv_cache_stats") is not None and not isinstance(m["kv_cache_stats"], dict):
+        raise MessageError("'kv_cache_stats' must be a dict")
+
+
+@dataclass
+class _Pending:
+    first_seen: float
+    reported: set[int] = field(default_factory=set)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class _Seen:
+    """Seqs of one incarnation seen so far: everything <= low, plus `above`.
+
+    A gap below `above` (an aggregator restarted mid-stream sees seqs from 5000 on) is closed once `above`
+    holds `compact_after` seqs: a sender keeps at most its unacknowledged messages, far fewer, so a seq that
+    far below the newest ones cannot still be on its way.
+    """
+
+    low: int = -1
+    above: set[int] = field(default_factory=set)
+    compact_after = 1024
+
+    def to_state(self, holes: list[int]) -> list:
+        return [self.low, sorted(self.above), holes]
+
+    @classmethod
+    def from_state(cls, state: list) -> _Seen:
+        """Seen seqs minus `holes` (seen, not yet emitted: a restarted aggregator must take them again)."""
+        low, above, holes = int(state[0]), set(state[1]), set(state[2])
+        if holes and min(holes) <= low:
+            above |= set(range(min(holes), low + 1))
+            low = min(holes) - 1
+        seen = cls(low, above - holes)
+        return seen
+
+    def has(self, seq: int) -> bool:
+        return seq <= self.low or seq in self.above
+
+    def add(self, seq: int) -> None:
+        if seq > self.low:
+            self.above.add(seq)
+            if len(self.above) > self.compact_after:
+                self.low = min(self.above) - 1
+            while self.low + 1 in self.above:
+                self.low += 1
+                self.above.discard(self.low)
+
+
+@dataclass
+class IngestResult:
+    acked: list[tuple[str, int]] = field(default_factory=list)
+    rejected: list[dict[str, Any]] = field(default_factory=list)
+    duplicates: int = 0
+
+
+class IterationAssembler:
+    """Pending iterations, emission, late deltas, dedupe and acks for one engine's ranks."""
+
+    def __init__(self, engine_id: str, world_size: int, tp: int, stats_timeout_s: float = 2.0, *,
+                 epoch: int = 1, last_emitted: int = -1, cumulative: ClusterCumulative | None = None,
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
+        if world_size < 1 or tp < 1 or world_size % tp:
+            raise ValueError(f"world_size {world_size} must be a positive multiple of tp {tp}")
+        if stats_timeout_s <= 0:
+            raise ValueError("stats_timeout_s must be > 0")
+        self.engine_id, self.world_size, self.tp = engine_id, world_size, tp
+        self.timeout = stats_timeout_s
+        self.epoch = epoch
+        self.clock, self.wall = clock, wall
+        self.last_emitted = last_emitted
+        self.cumulative = cumulative or ClusterCumulative()
+        self.pending: dict[int, _Pending] = {}
+        self._order: list[int] = []  # sorted pending iteration numbers
+        self.late: list[dict[str, Any]] = []
+        self._seen: OrderedDict[str, _Seen] = OrderedDict()
+        self._unemitted: dict[tuple[str, int], int] = {}  # (inc, seq) -> iteration its counters wait for
+        self._ack_ready: dict[str, list[int]] = {}
+        self.latest: dict[int, dict[str, Any]] = {}  # rank -> newest message
+        self.last_seen: dict[int, float] = {}  # rank -> wall time of its newest message
+        self.counts = {"messages": 0, "duplicates": 0, "rejected": 0, "records": 0, "incomplete": 0,
+                       "late_deltas": 0, "tp_divergences": 0}
+
+    # ------------------------------------------------------------------ ingest
+
+    def ingest(self, messages: list[dict[str, Any]]) -> IngestResult:
+        res = IngestResult()
+        incs: set[str] = set()
+        for idx, m in enumerate(messages):
+            try:
+                validate_message(m, self.engine_id, self.world_size, self.tp)
+            except MessageError as e:
+                self.counts["rejected"] += 1
+                res.rejected.append({"index": idx, "error": str(e)})
+                continue
+            inc, seq = m["incarnation"], m["seq"]
+            incs.add(inc)
+            seen = self._seen.get(inc)
+            if seen is None:
+                seen = self._seen[inc] = _Seen()
+                if len(self._seen) > 8 * self.world_size:
+                    old, _ = self._seen.popitem(last=False)
+                    self._ack_ready.pop(old, None)
+            if seen.has(seq):
+                self.counts["duplicates"] += 1
+                res.duplicates += 1
+                if (inc, seq) not in self._unemitted:
+                    res.acked.append((inc, seq))
+                continue
+            seen.add(seq)
+            for s in m.get("merged_seqs", ()):
+                seen.add(s)
+            self.counts["messages"] += 1
+            self._accept(m)
+        for inc in incs:
+            ready = self._ack_ready.pop(inc, None)
+            if ready:
+                res.acked.extend((inc, s) for s in ready)
+        return res
+
+    def _accept(self, m: dict[str, Any]) -> None:
+        rank, it = m["rank"], m["iteration"]
+        prev = self.latest.get(rank)
+        if prev is None or m.get("timestamp", 0) >= prev.get("timestamp", 0):
+            self.latest[rank] = m
+        self.last_seen[rank] = self.wall()
+        self.cumulative.update(m)
+        now = self.clock()
+        first = m.get("iterations", (it, it))[0]
+        for j in range(max(first, self.last_emitted + 1), it):
+            self._pending_at(j, now).reported.add(rank)
+        if it <= self.last_emitted:
+            self.late.append(m)
+            self._unemitted[(m["incarnation"], m["seq"])] = -1
+            return
+        p = self._pending_at(it, now)
+        p.reported.add(rank)
+        p.messages.append(m)
+        self._unemitted[(m["incarnation"], m["seq"])] = it
+
+    def _pending_at(self, it: int, now: float) -> _Pending:
+        p = self.pending.get(it)
+        if p is None:
+            p = self.pending[it] = _Pending(first_seen=now)
+            bisect.insort(self._order, it)
+        return p
+
+    # ------------------------------------------------------------------ restart
+
+    def checkpoint(self) -> dict[str, Any]:
+        """What a restarted aggregator needs to count every message exactly once (JSON-able)."""
+        holes: dict[str, list[int]] = {}
+        for inc, seq in self._unemitted:
+            holes.setdefault(inc, []).append(seq)
+        return {
+            "epoch": self.epoch,
+            "last_iter": self.last_emitted,
+            "seen": {inc: seen.to_state(sorted(holes.get(inc, ()))) for inc, seen in self._seen.items()},
+            "cumulative": self.cumulative.to_state(),
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue after a restart from `checkpoint()`: pending iterations are gone (their ranks re-send
+        them, unacknowledged), iterations up to `last_iter` were emitted, emitted messages stay counted."""
+        self.last_emitted = int(state["last_iter"])
+        self._seen = OrderedDict((inc, _Seen.from_state(s)) for inc, s in state["seen"].items())
+        self.cumulative = ClusterCumulative.from_state(state["cumulative"])
+
+    # ------------------------------------------------------------------ emission
+
+    def next_deadline(self) -> float | None:
+        """Clock time at which the oldest pending iteration times out (None when nothing is pending)."""
+        if not self._order:
+            return None
+        return self.pending[self._order[0]].first_seen + self.timeout
+
+    def poll(self) -> list[dict[str, Any]]:
+        """Emit every iteration that is due, oldest first."""
+        out = []
+        now = self.clock()
+        while self._order:
+            it = self._order[0]
+            p = self.pending[it]
+            if len(p.reported) < self.world_size and now - p.first_seen < self.timeout:
+                break
+            self._order.pop(0)
+            del self.pending[it]
+            out.append(self._emit(it, p))
+        return out
+
+    def _emit(self, it: int, p: _Pending) -> dict[str, Any]:
+        merged = merge_iteration(p.messages)
+        late, self.late = self.late, []
+        if late:
+            views = {v: merged.views[v] for v in VIEWS}
+            for m in late:
+                add_counters(views, m["report"], m["tp_rank"])
+            finish_hit_rates(views)
+            merged.views = sort_views(views)
+        missing = [r for r in range(self.world_size) if r not in p.reported]
+        self.last_emitted = it
+        self.counts["records"] += 1
+        self.counts["incomplete"] += bool(missing)
+        self.counts["late_deltas"] += len(late)
+        self.counts["tp_divergences"] += len(merged.tp_divergence)
+        errors = list(merged.errors)
+        tpbs = self.cumulative.tokens_per_block_values()
+        if len(tpbs) > 1 and not errors:
+            errors.append({"field": "tokensPerBlock", "error": "ranks disagree on tokensPerBlock",
+                           "values": sorted(tpbs)})
+        for m in p.messages + late:
+            key = (m["incarnation"], m["seq"])
+            self._unemitted.pop(key, None)
+            if m["incarnation"] in self._seen:
+                self._ack_ready.setdefault(m["incarnation"], []).append(m["seq"])
+        return {
+            "iter": it,
+            "timestamp": iso_timestamp(self.wall()),
+            "engineId": self.engine_id,
+            "aggregatorEpoch": self.epoch,
+            "numRanks": self.world_size,
+            "reportedRanks": sorted(p.reported),
+            "missingRanks": missing,
+            "complete": not missing,
+            "lateDeltas": len(late),
+            "tpDivergence": merged.tp_divergence,
+            "errors": errors,
+            "kvCacheStats": self.cumulative.stats(),
+            **merged.views,
+            "_rank_messages": p.messages,  # the actor moves these to its per-rank detail buffer
+        }

@@ -1,0 +1,131 @@
+"""Fault tests on the real local Ray cluster: a rank actor killed mid-stream, and the aggregator actor
+killed mid-stream (Ray restarts it; ranks re-send what was not acknowledged)."""
+
+import sys
+import time
+
+import pytest
+import ray
+import test_aggregator_support
+from test_aggregator_support import SimRank
+
+from aggregator import RankOutbox, aggregator_name, get_or_create_aggregator
+from aggregator.merge import WINDOW_VIEW
+
+pytestmark = pytest.mark.ray
+
+# rank actors run this module's code in worker processes, which cannot import tests/
+ray.cloudpickle.register_pickle_by_value(test_aggregator_support)
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+@ray.remote(num_cpus=0)
+class FakeRank:
+    """A rank that only produces stats: SimRank's consistent stream through a real RankOutbox."""
+
+    def __init__(self, engine_id: str, rank: int, seed: int) -> None:
+        self.sim = SimRank(rank, tp=1, seed=seed, engine_id=engine_id)
+        self.box = RankOutbox(engine_id, resend_after_s=0.1)
+
+    def step(self, iteration: int) -> str:
+        self.box.put(self.sim.step(iteration))
+        return self.sim.incarnation
+
+    def flush(self, timeout_s: float) -> bool:
+        return self.box.flush(timeout_s)
+
+    def sent(self) -> dict:
+        return dict(self.sim.cum)
+
+
+def wait_for(fn, timeout_s: float = 20.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = fn()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def records_through(agg, it: int, since: int = -1) -> list[dict]:
+    return wait_for(lambda: (lambda rs: rs if rs and rs[-1]["iter"] >= it else None)(
+        ray.get(agg.query.remote(since))), what=f"records through iteration {it}")
+
+
+def alloc(rec: dict) -> int:
+    return sum(b["iterAllocTotalBlocks"] for b in rec[WINDOW_VIEW].values())
+
+
+def test_rank_killed_gives_incomplete_records_then_complete_again(ray_cluster):
+    eng = "t-rank-kill"
+    agg = get_or_create_aggregator(eng, world_size=2, tp=1, stats_timeout_s=0.5)
+    r0, r1 = FakeRank.remote(eng, 0, 0), FakeRank.remote(eng, 1, 0)
+    stats_seen = []
+    for it in range(3):
+        ray.get([r0.step.remote(it), r1.step.remote(it)])
+    recs = records_through(agg, 2)
+    assert all(r["complete"] for r in recs)
+    stats_seen.append(ray.get(agg.kv_cache_stats.remote()))
+    ray.kill(r1)  # mid-stream
+    for it in range(3, 6):
+        ray.get(r0.step.remote(it))
+    recs = records_through(agg, 5, since=2)
+    assert [(r["iter"], r["complete"], r["missingRanks"]) for r in recs] == [(i, False, [1]) for i in (3, 4, 5)]
+    health = ray.get(agg.ranks.remote())
+    stats_seen.append(ray.get(agg.kv_cache_stats.remote()))
+    assert not health["1"]["healthy"] and health["0"]["healthy"]
+    r1b = FakeRank.remote(eng, 1, 1)  # the rank comes back: a new incarnation, counters from zero
+    ray.get(r1b.__ray_ready__.remote())
+    for it in range(6, 9):
+        incs = ray.get([r1b.step.remote(it), r0.step.remote(it)])
+    recs = records_through(agg, 8, since=5)
+    # a loaded machine may still time out the first iteration while the new rank's outbox connects
+    assert [r["iter"] for r in recs] == [6, 7, 8] and recs[-1]["complete"] and recs[-2]["complete"]
+    assert all(r["complete"] or r["missingRanks"] == [1] for r in recs)
+    health = ray.get(agg.ranks.remote())
+    assert health["1"]["healthy"] and health["1"]["incarnation"] == incs[0]
+    assert ray.get([r0.flush.remote(10), r1b.flush.remote(10)]) == [True, True]
+    stats_seen.append(ray.get(agg.kv_cache_stats.remote()))
+    for k in ("allocTotalBlocks", "reusedBlocks", "missedBlocks"):
+        assert [s[k] for s in stats_seen] == sorted(s[k] for s in stats_seen)  # never backwards
+    text = ray.get(agg.metrics_text.remote())
+    assert "kvfleet_stats_incomplete_records_total 3.0" in text
+    for a in (r0, r1b, agg):
+        ray.kill(a, no_restart=True)
+
+
+def test_aggregator_killed_comes_back_without_losing_counts(ray_cluster):
+    eng = "t-agg-kill"
+    agg = get_or_create_aggregator(eng, world_size=2, tp=1, stats_timeout_s=5.0)
+    r0, r1 = FakeRank.remote(eng, 0, 2), FakeRank.remote(eng, 1, 3)
+    for it in range(5):
+        ray.get([r0.step.remote(it), r1.step.remote(it)])
+    seen = {(r["aggregatorEpoch"], r["iter"]): r for r in records_through(agg, 4)}
+    before = ray.get(agg.kv_cache_stats.remote())
+    # rank 0 runs ahead: iterations 5 and 6 are pending (not emitted, not acknowledged) when the actor dies
+    for it in (5, 6):
+        ray.get(r0.step.remote(it))
+    wait_for(lambda: ray.get(agg.health.remote())["pending_iterations"] == 2, what="pending iterations")
+    ray.kill(agg, no_restart=False)
+    for it in (5, 6):
+        ray.get(r1.step.remote(it))
+    for it in (7, 8):
+        ray.get([r0.step.remote(it), r1.step.remote(it)])
+    assert ray.get_actor(aggregator_name(eng))._actor_id == agg._actor_id  # same actor, restarted
+    health = wait_for(lambda: (lambda h: h if h["last_iter"] >= 8 else None)(ray.get(agg.health.remote())),
+                      what="restarted aggregator emitting")
+    assert health["epoch"] == 2
+    after_restart = ray.get(agg.kv_cache_stats.remote())
+    assert ray.get([r0.flush.remote(10), r1.flush.remote(10)]) == [True, True]
+    new = records_through(agg, 8)
+    assert {r["aggregatorEpoch"] for r in new} == {2} and [r["iter"] for r in new] == [5, 6, 7, 8]
+    seen.update({(r["aggregatorEpoch"], r["iter"]): r for r in new})
+    sent = ray.get([r0.sent.remote(), r1.sent.remote()])
+    # no iteration's counts lost, none counted twice, across the restart
+    assert sum(alloc(r) for r in seen.values()) == sum(s["allocTotalBlocks"] for s in sent)
+    final = ray.get(agg.kv_cache_stats.remote())
+    for k in ("allocTotalBlocks", "reusedBlocks", "missedBlocks"):
+        assert before[k] <= after_restart[k] <= final[k] == sum(s[k] for s in sent)
+    for a in (r0, r1, agg):
+        ray.kill(a, no_restart=True)
