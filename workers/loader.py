@@ -1,0 +1,288 @@
+"""Loading a model (Hugging Face directory or the built-in random one) and sizing its KV cache.
+
+A model directory holds `config.json`, `*.safetensors` and `tokenizer.json`. Each tp rank reads only its
+slice of every sharded tensor (`safe_open(...).get_slice`), straight into parameters created on the target
+device and dtype. The built-in default (`path` None or "") is a small Qwen3-style model with one
+sliding-window layer and the byte tokenizer's vocabulary; its full weights are drawn from a fixed seed and
+then sliced like a checkpoint, so tp=2 is the same model as tp=1 and every rank of every run agrees without
+a download.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from workers.config import ModelConfig
+from workers.model import Model
+from workers.tokenizer import ByteTokenizer, HFTokenizer
+
+log = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_CACHE_BYTES = 2 << 20
+
+
+def default_config() -> ModelConfig:
+    """The built-in model: 4 layers, hidden 128, 4 q / 2 KV heads of 32, layer 1 slides over 64 tokens."""
+    tok = ByteTokenizer()
+    return ModelConfig(
+        vocab_size=tok.vocab_size,
+        hidden_size=128,
+        intermediate_size=256,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        model_type="qwen3",
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+        qk_norm=True,
+        layer_windows=(None, 64, None, None),
+        bos_token_id=tok.bos_token_id,
+        eos_token_ids=(tok.eos_token_id,),
+    )
+
+
+def random_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    """Full (unsharded) fp32 weights drawn from `seed`, scaled so logits have unit spread (clear argmaxes)."""
+    g = torch.Generator().manual_seed(seed)
+    model = _build(cfg, 0, 1, torch.device("meta"), torch.float32, cfg.max_position_embeddings)
+    out: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            t = 1.0 + 0.1 * torch.randn(p.shape, generator=g)
+        elif name.endswith("bias"):
+            t = 0.02 * torch.randn(p.shape, generator=g)
+        elif name == "model.embed_tokens.weight":
+            t = torch.randn(p.shape, generator=g)
+        else:  # [out, in]: unit-variance outputs for unit-variance inputs
+            t = torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1])
+        out[name] = t
+    return out
+
+
+def load_model(
+    path: str | None,
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    max_seq_len: int | None = None,
+    group: Any = None,
+) -> tuple[Model, ModelConfig]:
+    """Build the model for tp rank `tp_rank` of `tp_size` and fill its weights.
+
+    path: a Hugging Face model directory, or None / "" for the built-in random model (weights from `seed`).
+    max_seq_len: longest sequence the model will serve (default: the config's max_position_embeddings).
+    With tp_size > 1, torch.distributed must already be initialised (`workers.parallel.init_tp_group`).
+    Returns (model in eval mode, the full unsharded ModelConfig).
+    """
+    device = torch.device(device)
+    if not path:
+        cfg = default_config()
+        source: _Source = _DictSource(random_weights(cfg, seed))
+    else:
+        cfg = ModelConfig.from_dir(path)
+        source = _SafetensorsSource(Path(path))
+    cfg.check_tp(tp_size)
+    if max_seq_len is not None and max_seq_len > cfg.max_position_embeddings:
+        log.warning(
+            "max_seq_len %d exceeds the model's max_position_embeddings %d",
+            max_seq_len,
+            cfg.max_position_embeddings,
+        )
+    model = _build(cfg, tp_rank, tp_size, device, dtype, max_seq_len, group)
+    _load_weights(model, cfg, source, tp_rank, tp_size)
+    model.eval()
+    log.info(
+        "model loaded: %s, %d layers, tp %d/%d, %s %s",
+        path or "built-in random",
+        cfg.num_layers,
+        tp_rank,
+        tp_size,
+        device,
+        dtype,
+    )
+    return model, cfg
+
+
+def load_tokenizer(path: str | None) -> ByteTokenizer | HFTokenizer:
+    """The model directory's tokenizer.json, or the byte tokenizer for the built-in model (None / "")."""
+    return ByteTokenizer() if not path else HFTokenizer.from_dir(path)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _build(
+    cfg: ModelConfig,
+    tp_rank: int,
+    tp_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_seq_len: int | None,
+    group: Any = None,
+) -> Model:
+    with _default_dtype(dtype), device:
+        return Model(cfg, tp_rank=tp_rank, tp_size=tp_size, max_seq_len=max_seq_len, group=group)
+
+
+class _Source:
+    names: set[str]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class _DictSource(_Source):
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+        self.names = set(tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name].shape)
+
+    def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        return self.tensors[name][index]
+
+
+class _SafetensorsSource(_Source):
+    """Every *.safetensors file of a directory; tensors are read lazily, slice by slice."""
+
+    def __init__(self, path: Path):
+        from safetensors import safe_open
+
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in model directory {str(path)!r}")
+        self._handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
+        self._where: dict[str, Any] = {}
+        for h in self._handles:
+            for name in h.keys():
+                self._where[name] = h
+        self.names = set(self._where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._where[name].get_slice(name).get_shape())
+
+    def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        return self._where[name].get_slice(name)[index]
+
+
+def _load_weights(model: Model, cfg: ModelConfig, source: _Source, tp_rank: int, tp_size: int) -> None:
+    params = dict(model.named_parameters())  # a tied lm_head appears once, as the embedding
+    missing = [n for n in params if n not in source.names]
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} weight(s), e.g. {missing[:5]}")
+    for name, param in params.items():
+        dim = getattr(param, "shard_dim", None)
+        full = source.shape(name)
+        expect = list(param.shape)
+        if dim is not None:
+            expect[dim] *= tp_size
+        if list(full) != expect:
+            raise ValueError(
+                f"weight {name}: checkpoint shape {tuple(full)} does not match the model's "
+                f"{tuple(expect)} (config.json and the weights disagree)"
+            )
+        index = [slice(None)] * len(full)
+        if dim is not None:
+            size = param.shape[dim]
+            index[dim] = slice(tp_rank * size, (tp_rank + 1) * size)
+        with torch.no_grad():
+            param.copy_(source.read(name, tuple(index)).to(param.dtype))
+    unused = sorted(source.names - set(params) - {"lm_head.weight"})
+    if unused:
+        log.debug("checkpoint tensors not used by the model: %s", unused[:10])
+
+
+def kv_cache_config(
+    model_cfg: ModelConfig,
+    tp_size: int,
+    *,
+    tokens_per_block: int,
+    max_seq_len: int,
+    kv_cache_bytes: int = 0,
+    host_cache_bytes: int = 0,
+    device: str | torch.device = "cpu",
+    enable_block_reuse: bool = True,
+    enable_partial_reuse: bool = True,
+    enable_stats: bool = True,
+    gpu_memory_fraction: float = 0.85,
+    dtype: torch.dtype = torch.float32,
+    free_memory: Callable[[torch.device], int] | None = None,
+) -> Any:
+    """The `kvcache.KVCacheManagerConfig` of one tp rank of this model.
+
+    One attention layer config per model layer: `num_kv_heads / tp_size` heads of `head_dim`, `dtype`, the
+    layer's sliding window (None = full attention), no sink tokens. Primary bytes: `kv_cache_bytes` when > 0;
+    else on CUDA `gpu_memory_fraction` of the device's free memory (call this after the model is loaded, so
+    the weights are not counted as free), on CPU 2 MiB. `free_memory(device) -> bytes` overrides the CUDA
+    query (tests). Whether one `max_seq_len` request fits is the cache's call: check
+    `KVCacheManager(cfg).fits(max_seq_len, chunk_tokens)` (kvcache splits the budget over life cycles).
+    """
+    from kvcache import AttentionLayerConfig, KVCacheManagerConfig
+
+    model_cfg.check_tp(tp_size)
+    if tokens_per_block < 1 or max_seq_len < 1:
+        raise ValueError(
+            f"tokens_per_block ({tokens_per_block}) and max_seq_len ({max_seq_len}) must be >= 1"
+        )
+    if not 0 < gpu_memory_fraction <= 1:
+        raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {gpu_memory_fraction}")
+    if kv_cache_bytes < 0 or host_cache_bytes < 0:
+        raise ValueError("kv_cache_bytes and host_cache_bytes must be >= 0")
+    device = torch.device(device)
+    if kv_cache_bytes == 0:
+        if device.type == "cuda":
+            free = (free_memory or _cuda_free_bytes)(device)
+            kv_cache_bytes = int(free * gpu_memory_fraction)
+        else:
+            kv_cache_bytes = CPU_DEFAULT_KV_CACHE_BYTES
+    kv_heads = model_cfg.num_kv_heads // tp_size
+    layers = [
+        AttentionLayerConfig(
+            layer_id=i,
+            num_kv_heads=kv_heads,
+            head_dim=model_cfg.head_dim,
+            dtype=dtype,
+            window_size=model_cfg.window_of_layer(i),
+            num_sink_tokens=0,
+        )
+        for i in range(model_cfg.num_layers)
+    ]
+    return KVCacheManagerConfig(
+        tokens_per_block=tokens_per_block,
+        max_seq_len=max_seq_len,
+        layers=layers,
+        gpu_cache_bytes=kv_cache_bytes,
+        host_cache_bytes=host_cache_bytes,
+        enable_block_reuse=enable_block_reuse,
+        enable_partial_reuse=enable_partial_reuse,
+        enable_stats=enable_stats,
+        device=str(device),
+    )
+
+
+def _cuda_free_bytes(device: torch.device) -> int:
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free)

@@ -1,0 +1,476 @@
+"""The decoder: a Llama / Qwen2 / Qwen3 / Mistral-family transformer whose attention is paged through kvcache.
+
+Dense layers see every scheduled token of every sequence at once, as one flat `[T, hidden]` tensor; only
+attention loops over sequences. Attention writes the new tokens' K/V into the rank's KV cache through the
+request's block ids and reads every past token through the same ids, so prefill in chunks, decode, prefix
+reuse, offload/onboard and sliding windows all look alike here: a sequence is `start_pos` cached tokens plus
+`len(tokens)` new ones. Per-layer sliding windows follow transformers: a query at position `i` sees keys
+`j` with `i - w < j <= i`; a block that is wholly outside every new token's window may be stale (id -1) and is
+never touched. The model never commits to the cache: the caller commits after `forward` returns.
+
+Tensor parallelism: each rank holds `num_heads / tp` query heads and `num_kv_heads / tp` KV heads (its KV
+cache holds only those), q/k/v and gate/up are column-parallel, o/down row-parallel with an all-reduce, and
+the embedding and LM head are replicated, so every tp rank returns the same logits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from workers.config import ModelConfig
+from workers.parallel import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, _param
+
+
+@dataclass
+class SeqInput:
+    """One sequence's share of a forward pass.
+
+    tokens: the new tokens to process (at least one). start_pos: tokens already in the cache; must equal
+    `kv.history_length`. kv: the request's `kvcache` KVCache, resumed and resized to at least
+    `start_pos + len(tokens)`. all_logits: return the logits of every new position ([n, V]) instead of only
+    the last one ([V]).
+    """
+
+    tokens: list[int]
+    start_pos: int
+    kv: Any
+    all_logits: bool = False
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32, as transformers' Llama/Qwen3 do (weight * normed.to(input dtype))."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = _param((dim,), None)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding (rotate-half layout), with optional linear / llama3 frequency scaling."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        rope_type = (scaling or {}).get("rope_type", "default")
+        if rope_type == "linear":
+            inv_freq = inv_freq / float(scaling["factor"])
+        elif rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq.float()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1 frequency scaling (transformers' `_compute_llama3_parameters`)."""
+    factor = float(scaling["factor"])
+    low = float(scaling.get("low_freq_factor", 1.0))
+    high = float(scaling.get("high_freq_factor", 4.0))
+    old_ctx = float(scaling["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; cos/sin: [T, head_dim]."""
+    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
+
+
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+@dataclass
+class _SeqView:
+    """Per-forward bookkeeping of one sequence: where its rows sit in the flat batch, and its positions."""
+
+    offset: int
+    n: int
+    start: int
+    kv: Any
+    positions: torch.Tensor  # [n] on the model's device
+    plans: dict[tuple[int, int | None], _AttnPlan]  # by (life cycle id, window), built on first use
+
+
+@dataclass
+class _AttnPlan:
+    """Where one sequence writes and reads for one (life cycle, window), shared by the layers with both."""
+
+    write_slots: torch.Tensor  # [n] slot id per new token
+    write_offsets: torch.Tensor  # [n] position inside the block
+    read_slots: torch.Tensor  # [nb] slots covering key positions [read_lo_block * B, ...)
+    key_lo: int  # first key position read, relative to read_lo_block * B
+    key_len: int
+    mask: torch.Tensor | None  # [n, key_len] bool, True = attend; None = the one query sees every key
+
+
+@dataclass
+class _DecodePlan:
+    """All one-token sequences of a forward, attended in one padded batch for one (life cycle, window)."""
+
+    rows: torch.Tensor  # [S] rows of the flat batch
+    write_slots: torch.Tensor  # [S]
+    write_offsets: torch.Tensor  # [S]
+    table: torch.Tensor  # [S, max_blocks] slots, padded with slot 0 (masked out)
+    valid: torch.Tensor  # [S, max_blocks * B] bool: key inside [key_lo, key_lo + key_len)
+
+
+class _Batch:
+    """Everything attention needs about one forward pass; plans are cached per sequence.
+
+    Plans are keyed by (life cycle, window) rather than life cycle alone: kvcache folds a window
+    `>= max_seq_len` into the full-attention life cycle, and the layer's own window still shapes its mask.
+    Sequences with one new token (decode) are attended together, padded to the longest; longer ones
+    (prefill chunks) one by one.
+    """
+
+    def __init__(self, seqs: list[_SeqView], kv_manager: Any, device: torch.device):
+        self.seqs = seqs
+        self.decodes = [s for s in seqs if s.n == 1]
+        self.prefills = [s for s in seqs if s.n > 1]
+        self.mgr = kv_manager
+        self.block = int(kv_manager.tokens_per_block)
+        self.device = device
+        self._decode_plans: dict[tuple[int, int | None], _DecodePlan] = {}
+
+    def decode_plan(self, lc: int, window: int | None) -> _DecodePlan:
+        d = self._decode_plans.get((lc, window))
+        if d is None:
+            d = self._decode_plans[lc, window] = self._build_decode_plan(lc, window)
+        return d
+
+    def _build_decode_plan(self, lc: int, window: int | None) -> _DecodePlan:
+        B, dev = self.block, self.device
+        plans = [self.plan(s, lc, window) for s in self.decodes]
+        width = max(p.read_slots.numel() for p in plans)
+        table = torch.stack([F.pad(p.read_slots, (0, width - p.read_slots.numel()), value=0) for p in plans])
+        idx = torch.arange(width * B, device=dev)[None, :]
+        lo = torch.tensor([p.key_lo for p in plans], device=dev)[:, None]
+        hi = lo + torch.tensor([p.key_len for p in plans], device=dev)[:, None]
+        return _DecodePlan(
+            rows=torch.tensor([s.offset for s in self.decodes], device=dev),
+            write_slots=torch.cat([p.write_slots for p in plans]),
+            write_offsets=torch.cat([p.write_offsets for p in plans]),
+            table=table,
+            valid=(idx >= lo) & (idx < hi),
+        )
+
+    def plan(self, s: _SeqView, lc: int, window: int | None) -> _AttnPlan:
+        p = s.plans.get((lc, window))
+        if p is None:
+            p = s.plans[lc, window] = self._build_plan(s, lc, window)
+        return p
+
+    def _build_plan(self, s: _SeqView, lc: int, window: int | None) -> _AttnPlan:
+        B = self.block
+        ids = list(s.kv.block_ids(lc))
+        end = s.start + s.n  # exclusive
+        last_block = (end - 1) // B
+        if last_block >= len(ids):
+            raise RuntimeError(
+                f"kv cache holds {len(ids)} blocks ({len(ids) * B} tokens) for life cycle {lc}, "
+                f"but positions up to {end - 1} are being written: resize the cache first"
+            )
+        lo = 0 if window is None else max(0, s.start - window + 1)
+        first_block = lo // B
+        needed = ids[first_block : last_block + 1]
+        if any(i < 0 for i in needed):
+            stale = [first_block + k for k, i in enumerate(needed) if i < 0]
+            raise RuntimeError(
+                f"life cycle {lc}: block ordinal(s) {stale} are stale (-1) but inside the attention "
+                f"window of positions [{s.start}, {end}) (window {window})"
+            )
+        dev = self.device
+        write_blocks = s.positions // B
+        table = torch.tensor(ids[: last_block + 1], dtype=torch.long, device=dev)
+        q_pos = s.positions[:, None]
+        k_pos = torch.arange(lo, end, device=dev)[None, :]
+        mask: torch.Tensor | None = None
+        if s.n > 1:  # one query sees exactly keys [lo, start]: no mask needed
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask &= k_pos > q_pos - window
+        return _AttnPlan(
+            write_slots=table[write_blocks],
+            write_offsets=s.positions % B,
+            read_slots=table[first_block:],
+            key_lo=lo - first_block * B,
+            key_len=end - lo,
+            mask=mask,
+        )
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp_rank: int, tp_size: int, group: dist.ProcessGroup | None):
+        super().__init__()
+        D = cfg.head_dim
+        self.layer_id = layer_id
+        self.head_dim = D
+        self.num_heads = cfg.num_heads // tp_size
+        self.num_kv_heads = cfg.num_kv_heads // tp_size
+        self.scale = D**-0.5
+        self.window = cfg.window_of_layer(layer_id)
+        self.q_proj = ColumnParallelLinear(cfg.hidden_size, cfg.num_heads * D, cfg.qkv_bias, tp_rank, tp_size)
+        self.k_proj = ColumnParallelLinear(cfg.hidden_size, cfg.num_kv_heads * D, cfg.qkv_bias, tp_rank, tp_size)
+        self.v_proj = ColumnParallelLinear(cfg.hidden_size, cfg.num_kv_heads * D, cfg.qkv_bias, tp_rank, tp_size)
+        self.o_proj = RowParallelLinear(cfg.num_heads * D, cfg.hidden_size, cfg.o_bias, tp_rank, tp_size, group)
+        self.q_norm = RMSNorm(D, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(D, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: _Batch) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = self._paged_attention(q, k, v, batch)
+        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+
+    def _paged_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: _Batch) -> torch.Tensor:
+        k_cache, v_cache = batch.mgr.layer_kv(self.layer_id)
+        lc = batch.mgr.life_cycle_of_layer(self.layer_id)
+        if tuple(k_cache.shape[2:]) != (self.num_kv_heads, self.head_dim):
+            raise RuntimeError(
+                f"layer {self.layer_id}: KV cache holds {tuple(k_cache.shape[2:])} (heads, head_dim) "
+                f"per token, this rank's attention needs {(self.num_kv_heads, self.head_dim)}"
+            )
+        out = torch.empty_like(q)
+        if batch.decodes:
+            self._decode_attention(q, k, v, k_cache, v_cache, batch.decode_plan(lc, self.window), out)
+        for s in batch.prefills:
+            p = batch.plan(s, lc, self.window)
+            rows = slice(s.offset, s.offset + s.n)
+            k_cache[p.write_slots, p.write_offsets] = k[rows].to(k_cache.dtype)
+            v_cache[p.write_slots, p.write_offsets] = v[rows].to(v_cache.dtype)
+            keys = k_cache[p.read_slots].reshape(-1, self.num_kv_heads, self.head_dim)
+            vals = v_cache[p.read_slots].reshape(-1, self.num_kv_heads, self.head_dim)
+            keys = keys[p.key_lo : p.key_lo + p.key_len].to(q.dtype).transpose(0, 1)  # [Hkv, L, D]
+            vals = vals[p.key_lo : p.key_lo + p.key_len].to(q.dtype).transpose(0, 1)
+            o = F.scaled_dot_product_attention(
+                q[rows].transpose(0, 1),
+                keys,
+                vals,
+                attn_mask=p.mask,
+                scale=self.scale,
+                enable_gqa=self.num_heads != self.num_kv_heads,
+            )
+            out[rows] = o.transpose(0, 1)
+        return out
+
+    def _decode_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        d: _DecodePlan,
+        out: torch.Tensor,
+    ) -> None:
+        """One query per sequence: write its K/V, gather every sequence's blocks padded, one SDPA call."""
+        k_cache[d.write_slots, d.write_offsets] = k[d.rows].to(k_cache.dtype)
+        v_cache[d.write_slots, d.write_offsets] = v[d.rows].to(v_cache.dtype)
+        S, H, D = d.table.shape[0], self.num_kv_heads, self.head_dim
+        # padding and unwritten slot memory may hold anything, NaN included: zero it, then mask it
+        keep = d.valid[:, :, None, None]
+        keys = k_cache[d.table].reshape(S, -1, H, D).to(q.dtype).masked_fill(~keep, 0.0)
+        vals = v_cache[d.table].reshape(S, -1, H, D).to(q.dtype).masked_fill(~keep, 0.0)
+        o = F.scaled_dot_product_attention(
+            q[d.rows][:, :, None, :],  # [S, Hq, 1, D]
+            keys.transpose(1, 2),  # [S, Hkv, L, D]
+            vals.transpose(1, 2),
+            attn_mask=d.valid[:, None, None, :],
+            scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        out[d.rows] = o[:, :, 0, :]
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp_rank: int, tp_size: int, group: dist.ProcessGroup | None):
+        super().__init__()
+        h, i, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.gate_proj = ColumnParallelLinear(h, i, b, tp_rank, tp_size)
+        self.up_proj = ColumnParallelLinear(h, i, b, tp_rank, tp_size)
+        self.down_proj = RowParallelLinear(i, h, b, tp_rank, tp_size, group)
+        self.act = _ACTIVATIONS[cfg.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp_rank: int, tp_size: int, group: dist.ProcessGroup | None):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_id, tp_rank, tp_size, group)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, tp_rank, tp_size, group)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: _Batch) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab_size: int, dim: int):
+        super().__init__()
+        self.weight = _param((vocab_size, dim), None)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class DecoderStack(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp_rank: int, tp_size: int, group: dist.ProcessGroup | None):
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp_rank, tp_size, group) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Model(nn.Module):
+    """A causal LM whose parameter names match transformers' `*ForCausalLM` checkpoints.
+
+    Build it through `workers.loader.load_model`, which fills the weights (the constructor leaves them
+    uninitialised). With `tp_size > 1` the process must be in a torch.distributed group of `tp_size` ranks
+    (`workers.parallel.init_tp_group`), or pass `group`.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        max_seq_len: int | None = None,
+        group: dist.ProcessGroup | None = None,
+    ):
+        super().__init__()
+        cfg.check_tp(tp_size)
+        if not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank {tp_rank} is not in [0, tp_size={tp_size})")
+        if tp_size > 1:
+            if not dist.is_initialized():
+                raise RuntimeError(f"tp_size={tp_size} needs torch.distributed: call workers.parallel.init_tp_group")
+            size = dist.get_world_size(group)
+            if size != tp_size or dist.get_rank(group) != tp_rank:
+                raise RuntimeError(
+                    f"tp group mismatch: the process group has rank {dist.get_rank(group)} of "
+                    f"{size}, the model was asked for rank {tp_rank} of {tp_size}"
+                )
+        self.config = cfg
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.max_seq_len = int(max_seq_len or cfg.max_position_embeddings)
+        self.model = DecoderStack(cfg, tp_rank, tp_size, group)
+        self.lm_head = ReplicatedLinear(cfg.hidden_size, cfg.vocab_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @torch.inference_mode()
+    def forward(self, seqs: list[SeqInput], kv_manager: Any) -> list[torch.Tensor]:
+        """Run the new tokens of every sequence; write their K/V into the cache; return fp32 logits.
+
+        `kv_manager` is the rank's `kvcache.KVCacheManager`: its `layer_kv(layer_id)` gives the primary-tier
+        K/V tensors [slots, tokens_per_block, kv_heads_per_rank, head_dim] and `life_cycle_of_layer` picks
+        which of `kv.block_ids(lc)` a layer uses. Returns, per sequence, logits [V] of its last new token, or
+        [n, V] for every new token when `all_logits`. Does not commit: call `kv.commit(tokens)` afterwards.
+        """
+        if not seqs:
+            raise ValueError("forward needs at least one sequence")
+        dev = self.device
+        vocab = self.config.vocab_size
+        flat: list[int] = []
+        views: list[_SeqView] = []
+        for i, s in enumerate(seqs):
+            n = len(s.tokens)
+            if n == 0:
+                raise ValueError(f"sequence {i}: no new tokens")
+            if min(s.tokens) < 0 or max(s.tokens) >= vocab:
+                bad = next(t for t in s.tokens if not 0 <= t < vocab)
+                raise ValueError(f"sequence {i}: token id {bad} is outside the vocabulary [0, {vocab})")
+            if s.start_pos != s.kv.history_length:
+                raise ValueError(
+                    f"sequence {i}: start_pos {s.start_pos} != the cache's history_length {s.kv.history_length}"
+                )
+            if s.start_pos + n > self.max_seq_len:
+                raise ValueError(f"sequence {i}: {s.start_pos + n} tokens exceed max_seq_len {self.max_seq_len}")
+            if s.kv.capacity < s.start_pos + n:
+                raise ValueError(
+                    f"sequence {i}: cache capacity {s.kv.capacity} < {s.start_pos + n} tokens; resize it before forward"
+                )
+            views.append(
+                _SeqView(
+                    len(flat),
+                    n,
+                    s.start_pos,
+                    s.kv,
+                    torch.arange(s.start_pos, s.start_pos + n, device=dev),
+                    {},
+                )
+            )
+            flat.extend(s.tokens)
+        batch = _Batch(views, kv_manager, dev)
+
+        ids = torch.tensor(flat, dtype=torch.long, device=dev)
+        positions = torch.cat([v.positions for v in views])
+        cos, sin = self.rotary.cos_sin(positions, self.dtype)
+        h = self.model.embed_tokens(ids)
+        for layer in self.model.layers:
+            h = layer(h, cos, sin, batch)
+
+        rows: list[int] = []
+        for s, v in zip(seqs, views, strict=True):
+            rows.extend(range(v.offset, v.offset + v.n) if s.all_logits else [v.offset + v.n - 1])
+        logits = self.lm_head(self.model.norm(h[torch.tensor(rows, device=dev)])).float()
+        out: list[torch.Tensor] = []
+        r = 0
+        for s, v in zip(seqs, views, strict=True):
+            if s.all_logits:
+                out.append(logits[r : r + v.n])
+                r += v.n
+            else:
+                out.append(logits[r])
+                r += 1
+        return out

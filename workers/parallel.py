@@ -1,0 +1,202 @@
+"""Tensor parallelism: the torch.distributed group of one model copy and the linears that split over it.
+
+`init_tp_group` does its own rendezvous on a `TCPStore` before creating the process group, so a peer that
+never starts is reported by rank and address within `timeout_s` instead of hanging in
+`init_process_group`. The group it creates is the process's default group: one process = one rank of one
+tp group (each dp group gets its own master port). The linears follow Megatron: column-parallel splits the
+output features (q/k/v by heads, gate/up by intermediate rows), row-parallel splits the input features and
+all-reduces the partial sums. Each parameter carries `shard_dim` (0, 1 or None = replicated) so the loader
+can cut the matching slice out of a full checkpoint tensor.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """The tp group this process belongs to (`group` None when `world_size == 1`: no collectives needed)."""
+
+    rank: int
+    world_size: int
+    backend: str | None
+    master_addr: str
+    master_port: int
+    group: dist.ProcessGroup | None = None
+
+
+def init_tp_group(
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    backend: str | None = None,
+    timeout_s: float = 60.0,
+    *,
+    device: str | torch.device | None = None,
+    collective_timeout_s: float = 600.0,
+) -> TPGroup:
+    """Join tp group `rank` of `world_size` whose rank 0 listens on `master_addr:master_port`.
+
+    backend: "nccl" or "gloo"; None = NCCL when CUDA is available, else gloo. `device` (a CUDA device) is made
+    current before an NCCL group is created. Every rank must join within `timeout_s` seconds, or every rank
+    that did raises RuntimeError naming the missing ranks and the address. Collectives time out after
+    `collective_timeout_s`. With `world_size == 1` nothing is initialised (no port is used).
+    """
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"tp group: rank {rank} is not in [0, world_size={world_size})")
+    if timeout_s <= 0:
+        raise ValueError(f"tp group: timeout_s must be positive, got {timeout_s}")
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"tp group: backend must be 'nccl' or 'gloo', got {backend!r}")
+    if world_size == 1:
+        return TPGroup(rank, 1, None, master_addr, master_port)
+    if dist.is_initialized():
+        raise RuntimeError("tp group: torch.distributed is already initialised in this process")
+    where = f"{master_addr}:{master_port}"
+    deadline = time.monotonic() + timeout_s
+    if rank != 0:  # TCPStore's own connect retries can overshoot the timeout; probe with our deadline first
+        _wait_for_listener(master_addr, master_port, deadline, rank)
+    timeout = timedelta(seconds=max(0.1, deadline - time.monotonic()))
+    try:
+        store = dist.TCPStore(
+            master_addr, master_port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
+        )
+    except Exception as e:  # connection refused until timeout, or the port is taken
+        role = "listen on" if rank == 0 else "reach tp rank 0 (the master) at"
+        raise RuntimeError(f"tp group: rank {rank} could not {role} {where} within {timeout_s}s: {e}") from e
+    store.set(f"kvfleet/joined/{rank}", node_ip())
+    keys = [f"kvfleet/joined/{r}" for r in range(world_size)]
+    try:
+        store.wait(keys, timeout)
+    except Exception as e:
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        raise RuntimeError(
+            f"tp group at {where}: rank(s) {missing} of world_size {world_size} did not join within "
+            f"{timeout_s}s (this is rank {rank})"
+        ) from e
+    if backend == "nccl" and device is not None:
+        torch.cuda.set_device(torch.device(device))
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore("kvfleet/pg", store),
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=collective_timeout_s),
+    )
+    log.info("tp group ready: rank %d/%d backend %s master %s", rank, world_size, backend, where)
+    return TPGroup(rank, world_size, backend, master_addr, master_port, dist.group.WORLD)
+
+
+def _wait_for_listener(addr: str, port: int, deadline: float, rank: int) -> None:
+    """Poll until something accepts TCP connections on addr:port, or raise at the deadline."""
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            socket.create_connection((addr, port), timeout=max(0.05, min(1.0, left))).close()
+            return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise RuntimeError(
+                    f"tp group: rank {rank} could not reach tp rank 0 (the master) at "
+                    f"{addr}:{port} before the timeout: {e}"
+                ) from e
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+
+
+def destroy_tp_group() -> None:
+    """Tear down the default process group if one exists (idempotent)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def free_port(host: str = "") -> int:
+    """A TCP port that was free a moment ago (bind to port 0); the caller should use it promptly."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def node_ip() -> str:
+    """This node's outward-facing IPv4 address (no packet is sent), or 127.0.0.1 without a route."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+def _param(shape: tuple[int, ...], shard_dim: int | None) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(shape), requires_grad=False)
+    p.shard_dim = shard_dim  # read by the loader
+    return p
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W's output rows split over tp ranks (rank r holds rows [r*out/tp, (r+1)*out/tp))."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp_rank: int = 0, tp_size: int = 1):
+        super().__init__()
+        if out_features % tp_size:
+            raise ValueError(f"column-parallel linear: {out_features} outputs not divisible by tp_size {tp_size}")
+        self.weight = _param((out_features // tp_size, in_features), 0)
+        self.bias = _param((out_features // tp_size,), 0) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum over ranks of x_r W_r^T (all-reduce), + b once; x arrives already split by input feature."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        group: dist.ProcessGroup | None = None,
+    ):
+        super().__init__()
+        if in_features % tp_size:
+            raise ValueError(f"row-parallel linear: {in_features} inputs not divisible by tp_size {tp_size}")
+        self.tp_size = tp_size
+        self.group = group
+        self.weight = _param((out_features, in_features // tp_size), 1)
+        self.bias = _param((out_features,), None) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight)
+        dist.all_reduce(y, group=self.group)
+        return y if self.bias is None else y + self.bias
+
+
+class ReplicatedLinear(nn.Module):
+    """A linear every rank holds whole (the LM head: logits come out identical on every tp rank)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.weight = _param((out_features, in_features), None)
+        self.bias = _param((out_features,), None) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
