@@ -1,0 +1,179 @@
+"""The engine on the shared Ray cluster: lockstep dp ranks, continuous batching, preemption, stats, aborts.
+
+One small engine serves the whole module: dp=2 x tp=1 CPU ranks with a deliberately tiny KV cache (16 blocks
+per pool group and a small host tier), so ordinary tests exercise chunked prefill, reuse, suspension to the
+host tier and recompute. Outputs are checked against a single-process greedy reference of the same model.
+"""
+
+import asyncio
+import threading
+import time
+
+import pytest
+import ray
+import torch
+
+from deployment.settings import Settings
+from kvcache import KVCacheManager
+from workers.engine import Engine, RequestError
+from workers.loader import kv_cache_config, load_model
+from workers.model import SeqInput
+from workers.sampling import SamplingParams
+
+pytestmark = [pytest.mark.ray, pytest.mark.e2e]
+
+SETTINGS = dict(engine_id="engine-test", dp=2, tp=1, device="cpu", max_seq_len=256, kv_cache_bytes=512 << 10,
+                host_cache_bytes=256 << 10, max_num_batched_tokens=48, stats_timeout_s=1.0, seed=0)
+
+
+def reference_greedy(prompt: list[int], n: int, seed: int = 0) -> list[int]:
+    """Greedy tokens of the built-in model, one request alone, no reuse: what the engine must reproduce."""
+    torch.set_num_threads(1)
+    model, cfg = load_model(None, seed=seed)
+    mgr = KVCacheManager(kv_cache_config(cfg, 1, tokens_per_block=16, max_seq_len=512, kv_cache_bytes=8 << 20,
+                                         enable_block_reuse=False))
+    kv = mgr.create_kv_cache("ref", prompt)
+    assert kv.resume() and kv.resize(len(prompt))
+    logits = model([SeqInput(prompt, 0, kv)], mgr)[0]
+    kv.commit(prompt)
+    out = []
+    for _ in range(n):
+        tok = int(logits.argmax())
+        out.append(tok)
+        assert kv.resize(kv.history_length + 1)
+        logits = model([SeqInput([tok], kv.history_length, kv)], mgr)[0]
+        kv.commit([tok])
+    return out
+
+
+class LoopThread:
+    """The engine's event loop runs in its own thread, as in a Serve replica, so it steps while tests wait."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run_until_complete(self, coro, timeout: float = 600):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def engine(ray_cluster):
+    loop = LoopThread()
+    eng = loop.run_until_complete(_start(Settings(**SETTINGS)))
+    yield eng, loop
+    loop.run_until_complete(eng.shutdown())
+    loop.close()
+
+
+async def _start(settings):
+    eng = Engine(settings)
+    await eng.start()
+    return eng
+
+
+async def _collect(eng, prompt, max_tokens, **kw):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    toks, reasons = [], []
+    async for ev in eng.generate(None, prompt, params, **kw):
+        toks.append(ev.token_id)
+        reasons.append(ev.finish_reason)
+    return toks, reasons[-1]
+
+
+def _prompts(eng, n):
+    base = eng.tokenizer.encode("The KV cache of a whole cluster, seen as one stream: ")
+    return [base + eng.tokenizer.encode(f"request number {i}") for i in range(n)]
+
+
+def test_greedy_matches_reference_under_batching_and_preemption(engine):
+    eng, loop = engine
+    prompts = _prompts(eng, 10)
+    before = eng.preemptions
+
+    async def run():
+        return await asyncio.gather(*[_collect(eng, p, 24) for p in prompts])
+
+    outs = loop.run_until_complete(run())
+    for prompt, (toks, reason) in zip(prompts, outs, strict=True):
+        assert reason == "length"
+        assert toks == reference_greedy(prompt, 24)
+    assert eng.preemptions > before, "the tiny cache must have forced preemption (suspend or recompute)"
+
+
+def test_stats_stream_adds_up_to_the_cluster_totals(engine):
+    eng, loop = engine
+    async def run():
+        return await asyncio.gather(*[_collect(eng, p, 8) for p in _prompts(eng, 4)])
+
+    loop.run_until_complete(run())
+    last = eng.iteration - 1
+    agg = eng.aggregator
+    deadline = time.monotonic() + 60
+    while ray.get(agg.health.remote())["last_iter"] < last:
+        assert time.monotonic() < deadline, "the aggregator never emitted the engine's last iteration"
+        time.sleep(0.1)
+    recs = ray.get(agg.query.remote(-1, None, False))
+    assert [r["iter"] for r in recs] == sorted({r["iter"] for r in recs})
+    assert all(r["numRanks"] == 2 for r in recs)
+    assert sum(r["complete"] for r in recs) >= len(recs) - 1
+    totals = ray.get(agg.kv_cache_stats.remote())
+    for field, key in (("iterAllocTotalBlocks", "allocTotalBlocks"), ("iterReusedBlocks", "reusedBlocks"),
+                       ("iterMissedBlocks", "missedBlocks")):
+        assert sum(b[field] for r in recs for b in r["kvCacheIterationStats"].values()) == totals[key]
+    assert totals["reusedBlocks"] > 0, "requests sharing a prefix reuse blocks"
+
+
+def test_abort_frees_the_request_blocks(engine):
+    eng, loop = engine
+
+    async def run():
+        gen = eng.generate("to-abort", _prompts(eng, 1)[0], SamplingParams(max_tokens=150, temperature=0.0))
+        async for _ in gen:
+            break
+        await gen.aclose()
+
+    loop.run_until_complete(run())
+    assert "to-abort" not in eng._requests
+    deadline = time.monotonic() + 30
+    while True:
+        snaps = ray.get([w.kv_snapshot.remote() for w in eng.workers])
+        if all(s["requests"] == 0 and s["kvCacheStats"]["usedNumBlocks"] == 0 for s in snaps):
+            break
+        assert time.monotonic() < deadline, f"blocks still held after abort: {snaps}"
+        time.sleep(0.05)
+
+
+def test_bad_requests_never_reach_a_rank(engine):
+    eng, loop = engine
+    steps = eng.steps
+
+    async def first(prompt, params):
+        async for ev in eng.generate(None, prompt, params):
+            return ev
+
+    with pytest.raises(RequestError, match="maximum context length"):
+        loop.run_until_complete(first([1] * 250, SamplingParams(max_tokens=10)))
+    with pytest.raises(RequestError, match="empty"):
+        loop.run_until_complete(first([], SamplingParams(max_tokens=1)))
+    with pytest.raises(RequestError, match="token ids"):
+        loop.run_until_complete(first([10_000], SamplingParams(max_tokens=1)))
+    assert eng.steps == steps
+    assert loop.run_until_complete(first([5, 6, 7], SamplingParams(max_tokens=1))) is not None
+
+
+def test_an_idle_engine_does_not_step(engine):
+    eng, loop = engine
+    loop.run_until_complete(_collect(eng, [1, 2, 3], 1))
+    deadline = time.monotonic() + 30
+    while eng._groups[0].to_close or eng._groups[1].to_close or eng._wake.is_set():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    steps = eng.steps
+    time.sleep(0.5)  # observing that nothing happens takes a window of time
+    assert eng.steps == steps

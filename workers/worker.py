@@ -1,0 +1,275 @@
+"""RankWorker: one Ray actor per rank (one GPU each), owning its device, model shard and KV cache manager.
+
+Every rank steps every iteration with the plan of its dp group (an idle group gets an empty plan). The
+plan says which requests to create, close and run, in priority order; the rank itself finds room in its KV
+cache, preempting the lowest-priority requests when it must (suspend to the host tier when there is one,
+else close and recompute later). tp ranks of one group run the same deterministic code on equal caches, so
+they make identical block decisions. After the step the rank commits the stats of the requests it ran,
+drains its iteration report and hands the delta to its outbox, which sends it without blocking the step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+import torch
+
+from kvcache import KVCacheManager
+
+from .loader import kv_cache_config, load_model
+from .model import SeqInput
+from .parallel import free_port, init_tp_group, node_ip
+from .sampling import SamplingParams, sample
+
+log = logging.getLogger("kvfleet.worker")
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class RankSpec:
+    """What one rank needs to start; plain data so it pickles into the actor."""
+
+    engine_id: str
+    rank: int
+    dp: int
+    tp: int
+    model: str
+    device: str  # "cpu" or "cuda"
+    dtype: str
+    seed: int
+    tokens_per_block: int
+    max_seq_len: int
+    max_num_batched_tokens: int
+    kv_cache_bytes: int
+    gpu_memory_fraction: float
+    host_cache_bytes: int
+    enable_block_reuse: bool
+    enable_partial_reuse: bool
+    enable_stats: bool
+    num_threads: int = 1
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.tp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+
+@dataclass
+class NewRequest:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    cache_salt: str | None = None
+    warmup: bool = False  # warm-up requests are excluded from every statistic
+
+
+@dataclass
+class Work:
+    """Run up to `budget` tokens of a request; `append` is the token sampled last step (None in prefill)."""
+
+    request_id: str
+    budget: int
+    append: int | None = None
+
+
+@dataclass
+class StepPlan:
+    iteration: int
+    new: list[NewRequest] = field(default_factory=list)
+    work: list[Work] = field(default_factory=list)  # highest priority first
+    close: list[str] = field(default_factory=list)
+    record: bool = True  # False for warm-up steps: no stats message
+
+
+@dataclass
+class StepResult:
+    iteration: int
+    ran: dict[str, tuple[int, int | None]]  # request id -> (history after, sampled token or None mid-prefill)
+    deferred: list[str]  # scheduled but found no room this step
+    recomputed: list[str]  # preempted by closing their cache: they prefill again (reusing what is cached)
+    suspended: list[str]  # preempted by suspend(): their blocks may go to the host tier
+    reused: dict[str, int]  # new request id -> tokens reused from the prefix cache
+    step_s: float
+
+
+class _Req:
+    __slots__ = ("id", "tokens", "params", "salt", "generator", "kv", "warmup", "prio")
+
+    def __init__(self, new: NewRequest, device: str) -> None:
+        self.id = new.request_id
+        self.tokens = list(new.prompt)
+        self.params = new.params
+        self.salt = new.cache_salt
+        self.generator = new.params.make_generator(device)
+        self.kv = None
+        self.warmup = new.warmup
+        self.prio = 0
+
+
+class RankWorker:
+    """The body of the rank actor (made a Ray actor by `ray.remote(RankWorker)` in the engine)."""
+
+    def __init__(self, spec: RankSpec) -> None:
+        self.spec = spec
+        self.incarnation = uuid.uuid4().hex
+        self.seq = 0
+        self.reqs: dict[str, _Req] = {}
+        self.model = self.kv = self.outbox = None
+        self.device = "cuda:0" if spec.device == "cuda" else "cpu"
+        if spec.device == "cpu":
+            torch.set_num_threads(max(1, spec.num_threads))
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    def address(self) -> dict[str, Any]:
+        """Where this rank can host its tp group's rendezvous (asked of tp rank 0)."""
+        return {"ip": node_ip(), "port": free_port(), "node_id": ray.get_runtime_context().get_node_id(),
+                "pid": os.getpid()}
+
+    def setup(self, master_addr: str, master_port: int, timeout_s: float = 120.0) -> dict[str, Any]:
+        """Join the tp group, load the model shard and build the KV cache; returns the cache's reach."""
+        s = self.spec
+        init_tp_group(s.tp_rank, s.tp, master_addr, master_port, timeout_s=timeout_s, device=self.device)
+        dtype = DTYPES[s.dtype]
+        self.model, cfg = load_model(s.model or None, tp_rank=s.tp_rank, tp_size=s.tp, device=self.device,
+                                     dtype=dtype, seed=s.seed, max_seq_len=s.max_seq_len)
+        kv_cfg = kv_cache_config(cfg, s.tp, tokens_per_block=s.tokens_per_block, max_seq_len=s.max_seq_len,
+                                 kv_cache_bytes=s.kv_cache_bytes, host_cache_bytes=s.host_cache_bytes,
+                                 device=self.device, enable_block_reuse=s.enable_block_reuse,
+                                 enable_partial_reuse=s.enable_partial_reuse, enable_stats=s.enable_stats,
+                                 gpu_memory_fraction=s.gpu_memory_fraction, dtype=dtype)
+        self.kv = KVCacheManager(kv_cfg)
+        from aggregator import RankOutbox  # only a rank that reports needs it
+
+        self.outbox = RankOutbox(s.engine_id)
+        lo, hi = 1, s.max_seq_len
+        while lo < hi:  # the longest request one rank can hold alone
+            mid = (lo + hi + 1) // 2
+            if self.kv.fits(mid, s.max_num_batched_tokens):
+                lo = mid
+            else:
+                hi = mid - 1
+        stats = self.kv.get_kv_cache_stats()
+        log.info("rank %d (dp %d, tp %d) ready on %s: %d primary blocks, requests up to %d tokens",
+                 s.rank, s.dp_rank, s.tp_rank, self.device, stats.max_num_blocks, lo)
+        return {"rank": s.rank, "max_request_tokens": lo, "vocab_size": cfg.vocab_size,
+                "max_num_blocks": stats.max_num_blocks, "node_id": ray.get_runtime_context().get_node_id(),
+                "device": self.device, "incarnation": self.incarnation}
+
+    # ---- the step -------------------------------------------------------------------------------------------
+    def step(self, plan: StepPlan) -> StepResult:
+        t0 = time.perf_counter()
+        for rid in plan.close:
+            req = self.reqs.pop(rid, None)
+            if req is not None and req.kv is not None:
+                req.kv.close()
+        reused = {}
+        for new in plan.new:
+            req = self.reqs[new.request_id] = _Req(new, self.device)
+            self._open(req)
+            reused[req.id] = req.kv.num_reused_tokens
+        order = [w for w in plan.work if w.request_id in self.reqs]
+        for w in order:
+            if w.append is not None:
+                self.reqs[w.request_id].tokens.append(w.append)
+        runs, deferred, recomputed, suspended = self._make_room(order)
+        ran: dict[str, tuple[int, int | None]] = {}
+        if runs:
+            seqs = [SeqInput(tokens, req.kv.history_length, req.kv) for req, tokens in runs]
+            logits = self.model(seqs, self.kv)
+            done = [i for i, (req, tokens) in enumerate(runs)
+                    if req.kv.history_length + len(tokens) == len(req.tokens)]
+            sampled = {}
+            if done:
+                toks = sample(torch.stack([logits[i] for i in done]), [runs[i][0].params for i in done],
+                              [runs[i][0].generator for i in done])
+                sampled = dict(zip(done, toks, strict=True))
+            for i, (req, tokens) in enumerate(runs):
+                req.kv.commit(tokens)
+                req.kv.commit_pending_stats()
+                ran[req.id] = (req.kv.history_length, sampled.get(i))
+        if plan.record and self.spec.enable_stats:
+            self._report(plan.iteration)
+        return StepResult(plan.iteration, ran, deferred, recomputed, suspended, reused, time.perf_counter() - t0)
+
+    def _open(self, req: _Req) -> None:
+        """(Re)create the request's cache from every token it has: a recomputed request reuses its blocks."""
+        req.kv = self.kv.create_kv_cache(req.id, req.tokens, cache_salt=req.salt, exclude_from_stats=req.warmup)
+
+    def _make_room(self, order: list[Work]):
+        """Resume and grow each request in priority order; preempt lower-priority ones when there is no room.
+
+        Preemption suspends a victim when the rank has a host tier (its blocks may then be offloaded), and
+        closes it for recompute when suspending cannot help (no host tier, or still no room once every
+        lower-priority request is suspended)."""
+        for i, w in enumerate(order):
+            self.reqs[w.request_id].prio = i
+        for req in self.reqs.values():
+            if all(req.id != w.request_id for w in order):
+                req.prio = len(order)
+        pool = sorted((r for r in self.reqs.values() if r.kv is not None), key=lambda r: r.prio)
+        host = self.spec.host_cache_bytes > 0
+        runs, deferred, recomputed, suspended, parked = [], [], [], [], []
+        for w in order:
+            req = self.reqs[w.request_id]
+            if req.kv is None:
+                self._open(req)
+            n = min(w.budget, len(req.tokens) - req.kv.history_length)
+            if n <= 0:
+                continue
+            while not (req.kv.resume() and req.kv.resize(req.kv.history_length + n)):
+                victim = pool.pop() if pool and pool[-1].prio > req.prio else None
+                if victim is not None and victim.kv is not None:
+                    if host and victim.kv.is_active:
+                        victim.kv.suspend()
+                        parked.append(victim)
+                        suspended.append(victim.id)
+                    else:
+                        self._recompute(victim, recomputed)
+                elif victim is None:
+                    lower = [r for r in parked if r.prio > req.prio and r.kv is not None]
+                    if not lower:
+                        deferred.append(req.id)
+                        break
+                    victim = max(lower, key=lambda r: r.prio)
+                    parked.remove(victim)
+                    self._recompute(victim, recomputed)
+            else:
+                h = req.kv.history_length
+                n = min(n, len(req.tokens) - h)
+                runs.append((req, req.tokens[h:h + n]))
+        return runs, deferred, recomputed, suspended
+
+    def _recompute(self, req: _Req, recomputed: list[str]) -> None:
+        req.kv.close()
+        req.kv = None
+        recomputed.append(req.id)
+
+    def _report(self, iteration: int) -> None:
+        """Drain this iteration's stats and queue the rank message (never blocks on the aggregator)."""
+        s = self.spec
+        report = self.kv.get_iteration_stats()
+        self.outbox.put({
+            "engine_id": s.engine_id, "rank": s.rank, "dp_rank": s.dp_rank, "tp_rank": s.tp_rank,
+            "incarnation": self.incarnation, "iteration": iteration, "seq": self.seq, "timestamp": time.time(),
+            "report": report.to_dict(), "kv_cache_stats": self.kv.get_kv_cache_stats().to_dict(),
+        })
+        self.seq += 1
+
+    def flush_stats(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every queued stats message is acknowledged (tests, shutdown)."""
+        return self.outbox.flush(timeout_s) if self.outbox else True
+
+    def kv_snapshot(self) -> dict[str, Any]:
+        """Gauges and cumulative counters of this rank's cache, for tests and debugging."""
+        return {"kvCacheStats": self.kv.get_kv_cache_stats().to_dict(), "requests": len(self.reqs),
+                "active": sum(1 for r in self.reqs.values() if r.kv is not None and r.kv.is_active)}
