@@ -259,3 +259,19 @@ def test_peaks_are_reseeded_from_current_values_at_each_drain():
     assert b["primaryPeakUsedNumBlocks"] == 3, "seeded from the drain before, when 3 were used"
     b = bucket(mgr, "64")
     assert b["primaryPeakUsedNumBlocks"] == 0
+
+
+@pytest.mark.gpu
+def test_cuda_primary_tier_with_pinned_host_tier():
+    mgr = small_manager(primary_slots=2, host_slots=4, device="cuda:0")
+    assert mgr.layer_kv(0)[0].is_cuda and mgr._secondary[0].tensor.is_pinned()
+    kv = mgr.create_kv_cache("a", list(range(8)))
+    assert kv.resume() and kv.resize(8)
+    write_kv(mgr, kv, 0, 0, [float(i + 1) for i in range(8)])
+    kv.commit(list(range(8)))
+    kv.suspend()
+    other = mgr.create_kv_cache("b", list(range(50, 58)))
+    assert other.resume() and other.resize(8)
+    other.close()
+    assert kv.resume()
+    assert read_kv(mgr, kv, 0, 8) == [float(i + 1) for i in range(8)]
