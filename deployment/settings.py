@@ -43,7 +43,7 @@ class Settings(BaseSettings):
     max_tokens_default: int = Field(64, ge=1, description="max_tokens when a request names none")
     stats_buffer_size: int = Field(10_000, ge=1, description="cluster records kept for /stats readers")
     stats_timeout_s: float = Field(2.0, gt=0, description="emit an iteration incomplete after this long")
-    num_cpus_per_rank: float = Field(1.0, ge=0, description="Ray CPUs reserved by each rank actor")
+    num_cpus_per_rank: float = Field(0.5, gt=0, description="Ray CPUs reserved by each rank actor")
     seed: int = Field(0, description="seed of the built-in model's weights")
 
 

@@ -1,0 +1,144 @@
+"""A small Python client for kvfleet's statistics, the counterpart of TensorRT-LLM's `LLM.get_stats()`.
+
+    from deployment.client import StatsClient
+    with StatsClient("http://127.0.0.1:8000") as c:
+        records = c.get_stats(since=-1)          # cluster records with iter > since, oldest first
+        for record in c.iter_stats():            # follows /stats/stream; reconnects with Last-Event-ID
+            ...
+        c.kv_cache_stats()                       # the cluster's cumulative kvCacheStats
+
+Server errors arrive in OpenAI's shape and are raised as `StatsError` with the server's message.
+"""
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+
+from deployment.sse import SSEDecoder
+
+logger = logging.getLogger("kvfleet.client")
+
+
+class StatsError(Exception):
+    """The server refused a request (4xx/5xx); `status`, `code` and the server's message."""
+
+    def __init__(self, status: int, message: str, code: str | None = None) -> None:
+        super().__init__(f"{status}: {message}")
+        self.status = status
+        self.message = message
+        self.code = code
+
+
+def _raise_for_error(resp: httpx.Response) -> None:
+    if resp.status_code < 400:
+        return
+    try:
+        err = resp.json()["error"]
+        message, code = err.get("message", resp.text), err.get("code")
+    except Exception:
+        message, code = resp.text, None
+    raise StatsError(resp.status_code, message, code)
+
+
+class StatsClient:
+    def __init__(self, base_url: str = "http://127.0.0.1:8000", timeout_s: float = 30.0,
+                 transport: httpx.BaseTransport | None = None) -> None:
+        self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s, transport=transport)
+
+    def __enter__(self) -> "StatsClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _get(self, path: str, **params: Any) -> Any:
+        resp = self._http.get(path, params={k: v for k, v in params.items() if v is not None})
+        _raise_for_error(resp)
+        return resp.json()
+
+    def get_stats(self, since: int = -1, limit: int | None = None, ranks: bool = False) -> list[dict]:
+        """Cluster records with `iter > since`, oldest first. Reading removes nothing."""
+        return self._get("/stats", since=since, limit=limit, ranks=str(ranks).lower())
+
+    def get_all_stats(self, since: int = -1, page: int = 1000) -> list[dict]:
+        """Every buffered record after `since`, fetched in pages of `page`."""
+        out: list[dict] = []
+        while True:
+            batch = self.get_stats(since=since, limit=page)
+            out.extend(batch)
+            if len(batch) < page:
+                return out
+            since = batch[-1]["iter"]
+
+    def latest_iter(self) -> int:
+        """The newest buffered iteration, or -1 when there is none."""
+        records = self.get_all_stats()
+        return records[-1]["iter"] if records else -1
+
+    def kv_cache_stats(self) -> dict:
+        return self._get("/kv_cache_stats")
+
+    def ranks(self) -> dict:
+        return self._get("/stats/ranks")
+
+    def rank(self, rank: int) -> dict:
+        return self._get(f"/stats/ranks/{rank}")
+
+    def health(self) -> dict:
+        return self._get("/health")
+
+    def iter_stats(self, since: int = -1, reconnect: bool = True, max_retries: int = 10,
+                   retry_delay_s: float = 0.5, read_timeout_s: float = 60.0) -> Iterator[dict]:
+        """Follow /stats/stream forever, yielding records in order without gaps or repeats.
+
+        A dropped connection is reopened with `Last-Event-ID` = the last iteration received, so the
+        server resumes right after it (as long as it still buffers those records). Gives up after
+        `max_retries` consecutive failed connections.
+        """
+        last = since
+        failures = 0
+        timeout = httpx.Timeout(self._http.timeout.connect, read=read_timeout_s)
+        while True:
+            headers = {"Accept": "text/event-stream"}
+            if last >= 0:
+                headers["Last-Event-ID"] = str(last)
+            try:
+                with self._http.stream("GET", "/stats/stream", params={"since": last}, headers=headers,
+                                       timeout=timeout) as resp:
+                    if resp.status_code >= 400:
+                        resp.read()
+                        _raise_for_error(resp)
+                    decoder = SSEDecoder()
+                    for line in resp.iter_lines():
+                        event = decoder.feed(line)
+                        if event is None or event.event != "stats":
+                            continue
+                        failures = 0
+                        record = json.loads(event.data)
+                        if record["iter"] <= last:
+                            continue
+                        last = record["iter"]
+                        yield record
+            except (httpx.TransportError, httpx.RemoteProtocolError) as exc:
+                if not reconnect:
+                    raise
+                failures += 1
+                if failures > max_retries:
+                    raise
+                logger.info("stats stream dropped (%s); reconnecting after iter %d", type(exc).__name__, last)
+                time.sleep(retry_delay_s * min(failures, 10))  # backoff between reconnects
+                continue
+            if not reconnect:
+                return
+            failures += 1
+            if failures > max_retries:
+                raise StatsError(0, "stats stream keeps closing")
+            logger.info("stats stream closed by server; reconnecting after iter %d", last)
+

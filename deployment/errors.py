@@ -1,0 +1,101 @@
+"""Errors in OpenAI's shape, so the official client raises its usual typed exceptions.
+
+Every non-2xx body is `{"error": {"message", "type", "code", "param"}}`. Bad input (invalid JSON, a wrong
+field, an unknown route or rank) is rejected here, before anything reaches a rank.
+"""
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from ray.exceptions import GetTimeoutError, RayActorError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger("kvfleet.deployment")
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error a route raises on purpose; becomes an OpenAI-shaped JSON response."""
+
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None,
+                 type_: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        fallback = "server_error" if status >= 500 else "invalid_request_error"
+        self.type = type_ or _TYPE_BY_STATUS.get(status, fallback)
+
+
+def error_body(message: str, type_: str, code: str | None = None, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "code": code, "param": param}}
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(error_body(err.message, err.type, err.code, err.param), status_code=err.status)
+
+
+def validation_message(errors: list[dict]) -> tuple[str, str | None, str | None]:
+    """(message, param, code) for a pydantic/FastAPI error list: names the field and what is wrong."""
+    parts, param, code = [], None, None
+    for err in errors:
+        loc = [str(x) for x in err.get("loc", ()) if x not in ("body", "query", "path", "header")]
+        kind = err.get("type", "")
+        if kind == "json_invalid":
+            detail = (err.get("ctx") or {}).get("error", "")
+            parts.append("request body is not valid JSON" + (f" ({detail})" if detail else ""))
+            code = code or "invalid_json"
+            continue
+        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        where = ".".join(loc)
+        parts.append(f"{where}: {msg}" if where else msg)
+        param = param or (where or None)
+        code = code or kind or None
+    return "; ".join(parts) or "invalid request", param, code
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every failure (ours, FastAPI's validation, Starlette's 404/405, bugs) to the OpenAI shape."""
+
+    async def on_api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param, code = validation_message(list(exc.errors()))
+        return error_response(APIError(400, message, code=code, param=param))
+
+    async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        return error_response(APIError(exc.status_code, detail, code=None))
+
+    async def on_actor_down(request: Request, exc: Exception) -> JSONResponse:
+        # the aggregator (or a rank) is restarting: retryable, not a bug of the request
+        logger.warning("%s %s: %s", request.method, request.url.path, type(exc).__name__)
+        return error_response(APIError(503, f"temporarily unavailable ({type(exc).__name__}); retry",
+                                       code="unavailable"))
+
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}", code="internal_error"))
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(RayActorError, on_actor_down)
+    app.add_exception_handler(GetTimeoutError, on_actor_down)
+    app.add_exception_handler(Exception, on_unexpected)

@@ -1,0 +1,231 @@
+"""OpenAI-compatible request models and response builders for /v1/completions and /v1/chat/completions.
+
+Requests are strict (`extra="forbid"`): a misspelt or unsupported field is a 400 that names it, never
+silently ignored. Options OpenAI has but kvfleet cannot honour (n > 1, logprobs, penalties, echo, ...)
+are accepted only at their no-op value, so ordinary clients that send defaults still work. Nothing in a
+request names a file or a model to load: `model` must equal the served name.
+"""
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_STOP_STRINGS = 4
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Strict):
+    model: str | None = Field(None, description="must be the served model name; omitted = the served model")
+    max_tokens: int | None = Field(None, ge=1, description="tokens to generate; omitted = the server default")
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1, description="0 or -1 = off (extension, as in vLLM)")
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    user: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _only_one_choice(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("only n=1 is supported")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, v: float) -> float:
+        if v != 0:
+            raise ValueError("penalties are not supported (use 0)")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v: dict | None) -> dict | None:
+        if v:
+            raise ValueError("logit_bias is not supported")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, v: str | list[str] | None) -> list[str]:
+        stops = [] if v is None else [v] if isinstance(v, str) else list(v)
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(s == "" for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return stops
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> "_SamplingRequest":
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream=true")
+        return self
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[int] = Field(description="text, or token ids")
+    echo: bool = False
+    best_of: int | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, v: Any) -> Any:
+        # OpenAI also takes a batch (list of strings / of token lists); kvfleet serves one prompt per request.
+        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], str | list):
+            v = v[0]
+        if isinstance(v, str):
+            if not v:
+                raise ValueError("must not be empty")
+            return v
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("must not be empty")
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+                raise ValueError("prompt must be a string or a list of token ids (batches are not supported)")
+            if min(v) < 0:
+                raise ValueError("token ids must be >= 0")
+            return v
+        raise ValueError("prompt must be a string or a list of token ids")
+
+    @field_validator("echo", mode="after")
+    @classmethod
+    def _no_echo(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("echo is not supported")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, v: int | None) -> int | None:
+        if v not in (None, 1):
+            raise ValueError("only best_of=1 is supported")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v: int | None) -> int | None:
+        if v:
+            raise ValueError("logprobs are not supported")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v: str | None) -> str | None:
+        if v:
+            raise ValueError("suffix is not supported")
+        return v
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v: bool | None) -> bool | None:
+        if v:
+            raise ValueError("logprobs are not supported")
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_top_logprobs(cls, v: int | None) -> int | None:
+        if v:
+            raise ValueError("top_logprobs is not supported")
+        return v
+
+    @model_validator(mode="after")
+    def _one_token_limit(self) -> "ChatCompletionRequest":
+        if self.max_completion_tokens is not None:
+            if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
+                raise ValueError("max_tokens and max_completion_tokens disagree")
+            self.max_tokens = self.max_completion_tokens
+        return self
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+# ---- responses (plain dicts in OpenAI's shapes) ----
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_response(id_: str, model: str, text: str, finish_reason: str | None, use: dict,
+                        created: int | None = None) -> dict:
+    return {"id": id_, "object": "text_completion", "created": created or int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+            "usage": use}
+
+
+def completion_chunk(id_: str, model: str, created: int, text: str, finish_reason: str | None) -> dict:
+    return {"id": id_, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+
+
+def chat_response(id_: str, model: str, text: str, finish_reason: str | None, use: dict,
+                  created: int | None = None) -> dict:
+    return {"id": id_, "object": "chat.completion", "created": created or int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "logprobs": None, "finish_reason": finish_reason}],
+            "usage": use}
+
+
+def chat_chunk(id_: str, model: str, created: int, delta: dict, finish_reason: str | None) -> dict:
+    return {"id": id_, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+
+
+def usage_chunk(id_: str, model: str, created: int, obj: str, use: dict) -> dict:
+    return {"id": id_, "object": obj, "created": created, "model": model, "choices": [], "usage": use}

@@ -1,0 +1,102 @@
+"""The one Serve app shared by every e2e test of the session (import `serve_app` into a test module).
+
+Started once on the session `ray_cluster` with small CPU reservations, on a free loopback port (other
+people's clusters may hold Serve's default 8000), and deleted at the end of the session.
+"""
+
+import pathlib
+import socket
+import subprocess
+import time
+
+import httpx
+import pytest
+
+E2E_APP_NAME = "kvfleet-e2e"
+E2E_SETTINGS = {"num_cpus_per_rank": "0.5", "max_seq_len": "256", "max_tokens_default": "8"}
+START_TIMEOUT_S = 300
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.get(f"{url}/health", timeout=10)
+            if r.status_code == 200:
+                return
+            last = f"{r.status_code} {r.text[:200]}"
+        except httpx.HTTPError as exc:
+            last = repr(exc)
+        time.sleep(0.5)  # poll interval
+    raise TimeoutError(f"{url}/health not healthy after {timeout_s}s: {last}")
+
+
+@pytest.fixture(scope="session")
+def serve_app(ray_cluster) -> str:
+    """Base URL (http://127.0.0.1:PORT) of the running kvfleet app."""
+    from ray import serve
+
+    from deployment import build_app
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        from ray.serve.context import _get_global_client
+
+        port = _get_global_client().http_config.port  # Serve may already be running with its own port
+    except Exception:
+        pass
+    serve.run(build_app(E2E_SETTINGS), name=E2E_APP_NAME, route_prefix="/")
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, START_TIMEOUT_S)
+    yield url
+    serve.delete(E2E_APP_NAME)
+
+
+def prometheus_query(target: str, query: str, workdir: pathlib.Path, timeout_s: float = 60) -> list[dict]:
+    """Run a real Prometheus server (loopback, free port) scraping http://TARGET/metrics every second,
+    and return the first non-empty result of the PromQL `query`. The server is always killed after."""
+    port = free_port()
+    config = workdir / "prometheus.yml"
+    config.write_text(
+        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+        "scrape_configs:\n  - job_name: kvfleet\n    metrics_path: /metrics\n"
+        f"    static_configs:\n      - targets: ['{target}']\n"
+    )
+    log_path = workdir / "prometheus.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={workdir / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{port}"],
+            stdout=subprocess.DEVNULL, stderr=log,
+        )
+    try:
+        deadline = time.monotonic() + timeout_s
+        last: object = "no answer"
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"prometheus exited ({proc.returncode}): {log_path.read_text()[-2000:]}")
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/api/v1/query", params={"query": query}, timeout=5)
+                last = r.json() if r.status_code == 200 else r.text
+                result = last.get("data", {}).get("result", []) if isinstance(last, dict) else []
+                if result:
+                    return result
+            except httpx.HTTPError as exc:
+                last = repr(exc)
+            time.sleep(1.0)  # poll interval (one scrape interval)
+        raise TimeoutError(f"no PromQL answer for {query!r} in {timeout_s}s; last: {last}")
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=15)

@@ -1,0 +1,76 @@
+"""deployment.client against an httpx.MockTransport: paging, errors, and SSE reconnection by Last-Event-ID."""
+
+import json
+
+import httpx
+import pytest
+
+from deployment.client import StatsClient, StatsError
+from deployment.sse import format_comment, format_event
+
+RECORDS = [{"iter": i, "kvCacheStats": {"reusedBlocks": i}} for i in range(10)]
+
+
+class DroppingStream(httpx.SyncByteStream):
+    """Sends some events, then the connection breaks."""
+
+    def __init__(self, chunks: list[bytes]) -> None:
+        self.chunks = chunks
+
+    def __iter__(self):
+        yield from self.chunks
+        raise httpx.ReadError("connection reset")
+
+
+def _server(drop_after: int):
+    seen_headers: list[str | None] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/stats":
+            since = int(request.url.params.get("since", -1))
+            limit = request.url.params.get("limit")
+            out = [r for r in RECORDS if r["iter"] > since]
+            return httpx.Response(200, json=out[: int(limit)] if limit else out)
+        if request.url.path == "/stats/ranks/9":
+            return httpx.Response(404, json={"error": {"message": "unknown rank 9", "type": "x",
+                                                       "code": "unknown_rank"}})
+        if request.url.path == "/stats/stream":
+            header = request.headers.get("last-event-id")
+            seen_headers.append(header)
+            start = int(header) if header is not None else int(request.url.params.get("since", -1))
+            # resends the record named by Last-Event-ID: the client must drop that duplicate
+            pending = [r for r in RECORDS if r["iter"] >= start][:drop_after]
+            chunks = [format_comment("keepalive").encode()]
+            chunks += [format_event(json.dumps(r), id=r["iter"], event="stats").encode() for r in pending]
+            return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                                  stream=DroppingStream(chunks))
+        return httpx.Response(404, json={"error": {"message": "no", "type": "x", "code": None}})
+
+    return handler, seen_headers
+
+
+def test_iter_stats_reconnects_with_last_event_id_without_gap():
+    handler, seen = _server(drop_after=3)
+    with StatsClient("http://kvfleet", transport=httpx.MockTransport(handler)) as c:
+        it = c.iter_stats(since=-1, retry_delay_s=0)
+        got = [next(it)["iter"] for _ in range(10)]
+    assert got == list(range(10))
+    assert seen[:5] == [None, "2", "4", "6", "8"]
+
+
+def test_iter_stats_gives_up_after_max_retries():
+    handler, _ = _server(drop_after=0)  # every connection breaks before a record
+    with StatsClient("http://kvfleet", transport=httpx.MockTransport(handler)) as c:
+        with pytest.raises(httpx.ReadError):
+            list(c.iter_stats(max_retries=2, retry_delay_s=0))
+
+
+def test_get_stats_paging_and_errors():
+    handler, _ = _server(drop_after=1)
+    with StatsClient("http://kvfleet", transport=httpx.MockTransport(handler)) as c:
+        assert c.get_stats(since=7) == RECORDS[8:]
+        assert c.get_all_stats(page=3) == RECORDS
+        assert c.latest_iter() == 9
+        with pytest.raises(StatsError) as exc:
+            c.rank(9)
+    assert exc.value.status == 404 and exc.value.code == "unknown_rank" and "unknown rank 9" in str(exc.value)
