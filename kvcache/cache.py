@@ -225,10 +225,13 @@ class KVCache:
         self._active = False
 
     def resize(self, capacity: int) -> bool:
-        """Grow or shrink to `capacity` tokens. False = no room, and nothing changed."""
+        """Grow or shrink to `capacity` tokens (resuming a fresh or suspended cache first).
+        False = no room, and nothing changed."""
         mgr = self._mgr
         if not self._active or not self._history <= capacity <= mgr.config.max_seq_len:
             self._check_resize(capacity)
+            if not self.resume():  # a fresh or suspended cache is activated first
+                return False
         if -(-capacity // mgr.tokens_per_block) == self._nb:  # the common decode step: no new block
             self._capacity = capacity
             return True
@@ -273,13 +276,12 @@ class KVCache:
 
     def _check_resize(self, capacity: int) -> None:
         self._check_open("resize")
-        if not self._active:
-            raise KVCacheError(f"request {self.request_id!r}: resize() of an inactive cache; resume() first")
         if capacity < self._history:
             raise KVCacheError(f"request {self.request_id!r}: resize({capacity}) below history_length "
                                f"{self._history}")
-        raise KVCacheError(f"request {self.request_id!r}: resize({capacity}) beyond max_seq_len "
-                           f"{self._mgr.config.max_seq_len}")
+        if capacity > self._mgr.config.max_seq_len:
+            raise KVCacheError(f"request {self.request_id!r}: resize({capacity}) beyond max_seq_len "
+                               f"{self._mgr.config.max_seq_len}")
 
     def _add_segment(self, lc: int, start: int, end: int, kind: int) -> None:
         segs = self._segs[lc]

@@ -208,8 +208,9 @@ def test_misuse_raises_and_leaves_the_manager_consistent():
         mgr.create_kv_cache("long", list(range(17)))
     kv = mgr.create_kv_cache("a", list(range(8)))
     with pytest.raises(KVCacheError, match="inactive"):
-        kv.resize(4)
-    assert kv.resume() and kv.resize(4)
+        kv.commit([])
+    assert kv.resize(4), "resize() activates a fresh cache"
+    assert kv.is_active
     with pytest.raises(KVCacheError, match="beyond capacity"):
         kv.commit(list(range(5)))
     assert kv.history_length == 0
