@@ -146,8 +146,11 @@ class KVCache:
         """Lock every page on the primary tier (onboarding from the host tier) and make the partially reused
         block private. False = no room, and nothing changed."""
         self._check_open("resume")
-        if self._active:
-            return True
+        return self._active or self._activate(0)
+
+    def _activate(self, grow: int) -> bool:
+        """Resume, checking room for the resume and for `grow` more blocks per life cycle together, so that a
+        resize of an inactive cache that fails changes nothing either."""
         mgr = self._mgr
         B = mgr.tokens_per_block
         need = [0] * len(mgr.pool_groups)
@@ -168,7 +171,7 @@ class KVCache:
             page.active_ref += 1
             if page.active_ref == 1 and page.tier == 0:
                 mgr._primary[mgr._lc_pg[page.lc]].suspended.pop(page, None)
-        if not all(mgr._can_take(pg, k) for pg, k in enumerate(need) if k):
+        if not all(mgr._can_take(pg, k + grow * len(mgr._pg_lcs[pg])) for pg, k in enumerate(need)):
             for page in mine:
                 page.active_ref -= 1
                 if page.active_ref == 0 and page.tier == 0:
@@ -230,7 +233,8 @@ class KVCache:
         mgr = self._mgr
         if not self._active or not self._history <= capacity <= mgr.config.max_seq_len:
             self._check_resize(capacity)
-            if not self.resume():  # a fresh or suspended cache is activated first
+            grow = max(0, -(-capacity // mgr.tokens_per_block) - self._nb)
+            if not self._active and not self._activate(grow):  # a fresh or suspended cache is resumed first
                 return False
         if -(-capacity // mgr.tokens_per_block) == self._nb:  # the common decode step: no new block
             self._capacity = capacity

@@ -74,7 +74,8 @@ class LifeCycle:
 
     @property
     def kind(self) -> str:
-        return "full" if self.window_size is None else "sliding"
+        """TensorRT-LLM's life cycle kind: every life cycle here is attention (full or sliding: see windowSize)."""
+        return "attention"
 
     def stale_end(self, history: int, tokens_per_block: int) -> int:
         """End (exclusive) of the stale range at `history`; the range starts at min(nb, sink_blocks)."""

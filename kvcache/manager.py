@@ -258,6 +258,7 @@ class KVCacheManager:
             pools = self._primary if page.tier == 0 else self._secondary
             pools[self._lc_pg[page.lc]].remove_evictable(page)
         page.ref += 1
+        self._dirty = True
         if page.tier == 0 and page.active_ref == 0:
             self._primary[self._lc_pg[page.lc]].suspended[page] = None
 

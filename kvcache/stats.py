@@ -86,20 +86,41 @@ class IdKeyDict(dict):
         return dict.get(self, str(key) if isinstance(key, int) else key, default)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class KVCacheStatsDelta:
-    """Cumulative-manager-total counters: a request's delta, or the manager's running totals."""
+    """Cumulative-manager-total counters: a request's delta, or the manager's running totals.
+
+    A dataclass that also reads as the tuple the spec prints, `(alloc_total, alloc_new, reused, missed)`:
+    it iterates, unpacks and compares equal to that tuple."""
 
     alloc_total_blocks: int = 0
     alloc_new_blocks: int = 0
     reused_blocks: int = 0
     missed_blocks: int = 0
 
-    def __add__(self, other: "KVCacheStatsDelta") -> "KVCacheStatsDelta":
-        return KVCacheStatsDelta(*(a + b for a, b in zip(self.astuple(), other.astuple(), strict=True)))
-
     def astuple(self) -> tuple[int, int, int, int]:
         return (self.alloc_total_blocks, self.alloc_new_blocks, self.reused_blocks, self.missed_blocks)
+
+    def __iter__(self):
+        return iter(self.astuple())
+
+    def __len__(self) -> int:
+        return 4
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, KVCacheStatsDelta | tuple):
+            return self.astuple() == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.astuple())
+
+    def __add__(self, other: "KVCacheStatsDelta") -> "KVCacheStatsDelta":
+        return KVCacheStatsDelta(*(a + b for a, b in zip(self, other, strict=True)))
+
+    @property
+    def empty(self) -> bool:
+        return not any(self.astuple())
 
     def to_dict(self) -> dict[str, int]:
         return {_camel(f.name): getattr(self, f.name) for f in fields(self)}

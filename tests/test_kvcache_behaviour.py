@@ -244,7 +244,7 @@ def test_window_buckets_and_pool_groups():
     assert pg["windowSizes"] == [8, 64] and pg["primaryMaxNumBlocks"] == 16
     assert pg["iterAllocTotalBlocks"] == 4, "two blocks per life cycle"
     lcs = d["kvCacheIterationStatsByLifecycle"]
-    assert lcs["1"]["kind"] == "sliding" and lcs[1]["windowSize"] == 8
+    assert lcs["1"]["kind"] == "attention" and lcs[1]["windowSize"] == 8
     assert lcs[0]["iterMissedBlocks"] == 2
 
 
