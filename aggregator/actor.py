@@ -12,13 +12,29 @@ timed-out iterations, rank health, Prometheus text, and surviving its own restar
   re-sent messages that were already emitted are acknowledged and ignored, the rest are merged (into their
   own iteration, or as late deltas when it was emitted before), and the cluster's cumulative `kvCacheStats`
   continue from the checkpoint, so they never go backwards.
+The checkpoint is written only when records are emitted, and at most once per `checkpoint_interval_s` (its
+JSON and GCS round trip cost O(ranks) each): iterations that become due sooner stay pending until the
+interval is over, then leave together under one checkpoint. Emission (`poll`: records built, their messages'
+acks staged), the checkpoint write and publication remain one step with no await between them, so deferring
+only moves when records appear: no record is visible and no message acknowledged before a checkpoint that
+counts it exists, exactly as before. At 20 iterations/s records are 50 ms apart, longer than the interval,
+so nothing waits; a burst waits at most the interval.
 The one window left: records published in the instant between the checkpoint write and a reader's fetch
 die with the buffer (their counts are in the cumulative totals, not in any record a reader saw).
+
+Garbage-collector pauses were the emission lag's tail: an automatic gen-2 pass walks every object the
+actor holds (the rank detail ring alone keeps ~9 tracked objects per rank message: 300k at 64 ranks) and
+took 50-300 ms whenever the survivors grew by a quarter, i.e. every few seconds. In a Ray actor
+(`manage_gc`) automatic gen-2 passes are off (gens 0 and 1 keep running) and a full pass runs right after a
+publication at most every `FULL_GC_INTERVAL_S`, so the stream sees one such pause per interval instead.
+The aggregator's data is acyclic (freed by reference counting), so little waits for that pass.
+(Serialising the ring instead costs ~15 us per message, as much as the whole merge.)
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import time
@@ -35,6 +51,7 @@ from .metrics import render_metrics
 log = logging.getLogger("kvfleet.aggregator")
 _KV_NAMESPACE = "kvfleet"
 WAIT_LIMIT = 1000  # most records one wait_records call returns
+FULL_GC_INTERVAL_S = 300.0  # with manage_gc: the one full collection per this many seconds
 
 
 def aggregator_name(engine_id: str) -> str:
@@ -77,7 +94,8 @@ class StatsAggregatorImpl:
     """The actor's body; `StatsAggregator` is this class made a Ray actor."""
 
     def __init__(self, engine_id: str, world_size: int, tp: int, buffer_size: int = 10_000,
-                 stats_timeout_s: float = 2.0, rank_detail_records: int = 512) -> None:
+                 stats_timeout_s: float = 2.0, rank_detail_records: int = 512,
+                 checkpoint_interval_s: float = 0.02, manage_gc: bool | None = None) -> None:
         self.engine_id, self.world_size, self.tp = engine_id, world_size, tp
         self.timeout = stats_timeout_s
         self._ckpt = _Checkpoint(engine_id)
@@ -90,6 +108,15 @@ class StatsAggregatorImpl:
         self.details: OrderedDict[int, list[dict[str, Any]]] = OrderedDict()
         self.rank_detail_records = max(0, min(rank_detail_records, buffer_size))
         self.totals: dict[str, dict[str, dict[str, int]]] = {WINDOW_VIEW: {}, POOL_VIEW: {}}
+        self.checkpoint_interval_s = checkpoint_interval_s
+        self.manage_gc = bool(self._ckpt.actor_id) if manage_gc is None else manage_gc
+        self._last_full_gc = time.monotonic()
+        self.full_gcs = 0
+        if self.manage_gc:  # no automatic gen-2 pass (see the module docstring); gens 0 and 1 unchanged
+            t0, t1, _ = gc.get_threshold()
+            gc.set_threshold(t0, t1, 1_000_000_000)
+        self._last_checkpoint = float("-inf")
+        self._deferred: asyncio.TimerHandle | None = None
         self._save_checkpoint()
         self._new_records: asyncio.Event | None = None
         self._wake: asyncio.Event | None = None
@@ -111,16 +138,37 @@ class StatsAggregatorImpl:
         """Emit iterations whose stats_timeout_s ran out; sleeps until the oldest pending one is due."""
         while True:
             deadline = self.asm.next_deadline()
+            if deadline is not None and self._ckpt.key:  # not before the checkpoint interval allows a write
+                deadline = max(deadline, self._last_checkpoint + self.checkpoint_interval_s)
             try:
                 if deadline is None:
                     self._wake.clear()
                     await self._wake.wait()
                 else:
                     await asyncio.sleep(max(0.0, deadline - self.asm.clock()) + 1e-4)
-                self._publish(self.asm.poll())
+                self._maybe_publish()
             except Exception:  # never let the ticker die silently; the next call restarts it
                 log.exception("stats aggregator ticker failed")
                 raise
+
+    def _maybe_publish(self) -> None:
+        """Emit and publish what is due, unless the last checkpoint is younger than the interval: then once
+        it is over (see the module docstring)."""
+        if not self.asm.due():
+            return
+        wait = self._last_checkpoint + self.checkpoint_interval_s - time.monotonic()
+        if wait > 0 and self._ckpt.key:
+            if self._deferred is None:
+                self._deferred = asyncio.get_running_loop().call_later(wait, self._run_deferred)
+            return
+        self._publish(self.asm.poll())
+
+    def _run_deferred(self) -> None:
+        self._deferred = None
+        try:
+            self._maybe_publish()
+        except Exception:  # a timer callback: log, and the next ingest or tick tries again
+            log.exception("stats aggregator deferred publication failed")
 
     def _publish(self, records: list[dict[str, Any]]) -> None:
         if not records:
@@ -147,11 +195,22 @@ class StatsAggregatorImpl:
             self.buffer.append(rec)
         ev, self._new_records = self._new_records, asyncio.Event()
         ev.set()
+        if self.manage_gc and time.monotonic() - self._last_full_gc >= FULL_GC_INTERVAL_S:
+            self._last_full_gc = time.monotonic()  # after the woken readers have run
+            asyncio.get_running_loop().call_soon(self._full_gc)
+
+    def _full_gc(self) -> None:
+        t0 = time.perf_counter()
+        found = gc.collect()
+        self.full_gcs += 1
+        log.info("full gc: %d unreachable, %.1f ms", found, (time.perf_counter() - t0) * 1e3)
 
     def _save_checkpoint(self) -> None:
         # readers see the cluster kvCacheStats of the last checkpoint only, so a restart never shows less
         self._reported_stats = self.asm.cumulative.stats()
-        self._ckpt.save(self.asm.checkpoint())
+        if self._ckpt.key:
+            self._ckpt.save(self.asm.checkpoint())
+            self._last_checkpoint = time.monotonic()
 
     def _with_ranks(self, rec: dict[str, Any]) -> dict[str, Any]:
         msgs = self.details.get(rec["iter"])
@@ -160,15 +219,16 @@ class StatsAggregatorImpl:
 
     # ---------------------------------------------------------------- API (all async)
 
-    async def ingest(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
-        """Take rank messages; answer which (incarnation, seq) pairs are now safely emitted."""
+    async def ingest(self, messages: list[dict[str, Any]], poll: list[str] | None = None) -> dict[str, Any]:
+        """Take rank messages; answer which (incarnation, seq) pairs are now safely emitted. `poll` lists
+        incarnations that send nothing new and only collect their acks."""
         self._ensure_started()
         if not isinstance(messages, list):
             messages = [messages]
-        res = self.asm.ingest(messages)
+        res = self.asm.ingest(messages, poll or ())
         for rej in res.rejected:
             log.warning("rejected rank message %d: %s", rej["index"], rej["error"])
-        self._publish(self.asm.poll())
+        self._maybe_publish()
         if self.asm.pending:
             self._wake.set()
         out: dict[str, Any] = {"epoch": self.asm.epoch, "acked": [[i, s] for i, s in res.acked],

@@ -22,9 +22,20 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from operator import itemgetter
 from typing import Any
 
-from .merge import VIEWS, ClusterCumulative, add_counters, finish_hit_rates, merge_iteration, sort_views
+from .layout import Flat, LayoutError, flatten
+from .merge import (
+    KV_STATS_COUNTERS,
+    KV_STATS_GAUGES,
+    VIEWS,
+    ClusterCumulative,
+    add_counters,
+    finish_hit_rates,
+    merge_iteration,
+    sort_views,
+)
 
 REQUIRED = {"engine_id": str, "rank": int, "dp_rank": int, "tp_rank": int, "incarnation": str,
             "iteration": int, "seq": int, "report": dict}
@@ -38,8 +49,48 @@ def iso_timestamp(unix_s: float) -> str:
     return datetime.fromtimestamp(unix_s, UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
 
 
+_REQUIRED_GET = itemgetter(*REQUIRED)
+_KV_NUMBERS = KV_STATS_COUNTERS + KV_STATS_GAUGES + ("tokensPerBlock",)
+_ZEROS = (0,) * len(_KV_NUMBERS)
+
+
 def validate_message(m: Any, engine_id: str, world_size: int, tp: int) -> None:
-    """Raise MessageError saying what is wrong with rank message `m`."""
+    """Raise MessageError saying what is wrong with rank message `m`.
+
+    The usual message (exact types, no `iterations`) passes one straight-line check; anything else takes
+    the field-by-field path, which names the first problem."""
+    if type(m) is dict:
+        try:
+            eng, r, dp, tpr, inc, it, seq, rep = _REQUIRED_GET(m)
+        except KeyError:
+            pass
+        else:
+            kvs = m.get("kv_cache_stats")
+            if (type(eng) is str and type(r) is int and type(dp) is int and type(tpr) is int and type(inc) is str
+                    and type(it) is int and type(seq) is int and isinstance(rep, dict) and eng == engine_id
+                    and 0 <= r < world_size and dp == r // tp and tpr == r % tp and it >= 0 and seq >= 0
+                    and "iterations" not in m and isinstance(rep.get(VIEWS[0], _EMPTY), dict)
+                    and isinstance(rep.get(VIEWS[1], _EMPTY), dict) and isinstance(rep.get(VIEWS[2], _EMPTY), dict)
+                    and (kvs is None or isinstance(kvs, dict))):
+                _check_kv_stats(kvs)
+                return
+    _validate_fields(m, engine_id, world_size, tp)
+    _check_kv_stats(m.get("kv_cache_stats"))
+
+
+_EMPTY: dict = {}
+
+
+def _check_kv_stats(kvs: dict[str, Any] | None) -> None:
+    if kvs:
+        try:
+            sum(map(kvs.get, _KV_NUMBERS, _ZEROS))  # C speed; fails on str/None/containers
+        except TypeError:
+            bad = next(k for k in _KV_NUMBERS if not isinstance(kvs.get(k, 0), int | float))
+            raise MessageError(f"kv_cache_stats[{bad!r}] must be a number, got {kvs[bad]!r}") from None
+
+
+def _validate_fields(m: Any, engine_id: str, world_size: int, tp: int) -> None:
     if not isinstance(m, dict):
         raise MessageError(f"message must be a dict, got {type(m).__name__}")
     for k, t in REQUIRED.items():
@@ -74,6 +125,7 @@ class _Pending:
     first_seen: float
     reported: set[int] = field(default_factory=set)
     messages: list[dict[str, Any]] = field(default_factory=list)
+    flats: list[Flat] = field(default_factory=list)  # messages[i]'s report as rows (flattened at ingest)
 
 
 @dataclass
@@ -151,9 +203,10 @@ class IterationAssembler:
 
     # ------------------------------------------------------------------ ingest
 
-    def ingest(self, messages: list[dict[str, Any]]) -> IngestResult:
+    def ingest(self, messages: list[dict[str, Any]], poll: tuple[str, ...] | list[str] = ()) -> IngestResult:
+        """Take messages; `poll` names incarnations that only ask for their acks (an idle rank's outbox)."""
         res = IngestResult()
-        incs: set[str] = set()
+        incs: set[str] = set(poll)
         for idx, m in enumerate(messages):
             try:
                 validate_message(m, self.engine_id, self.world_size, self.tp)
@@ -175,18 +228,24 @@ class IterationAssembler:
                 if (inc, seq) not in self._unemitted:
                     res.acked.append((inc, seq))
                 continue
+            try:
+                flat = flatten(m["report"], m["tp_rank"])
+            except LayoutError as e:  # not marked seen: a corrected re-send is taken
+                self.counts["rejected"] += 1
+                res.rejected.append({"index": idx, "error": str(e)})
+                continue
             seen.add(seq)
             for s in m.get("merged_seqs", ()):
                 seen.add(s)
             self.counts["messages"] += 1
-            self._accept(m)
+            self._accept(m, flat)
         for inc in incs:
             ready = self._ack_ready.pop(inc, None)
             if ready:
                 res.acked.extend((inc, s) for s in ready)
         return res
 
-    def _accept(self, m: dict[str, Any]) -> None:
+    def _accept(self, m: dict[str, Any], flat: Flat) -> None:
         rank, it = m["rank"], m["iteration"]
         prev = self.latest.get(rank)
         if prev is None or m.get("timestamp", 0) >= prev.get("timestamp", 0):
@@ -204,6 +263,7 @@ class IterationAssembler:
         p = self._pending_at(it, now)
         p.reported.add(rank)
         p.messages.append(m)
+        p.flats.append(flat)
         self._unemitted[(m["incarnation"], m["seq"])] = it
 
     def _pending_at(self, it: int, now: float) -> _Pending:
@@ -242,6 +302,13 @@ class IterationAssembler:
             return None
         return self.pending[self._order[0]].first_seen + self.timeout
 
+    def due(self) -> bool:
+        """Whether `poll()` would emit a record now."""
+        if not self._order:
+            return False
+        p = self.pending[self._order[0]]
+        return len(p.reported) >= self.world_size or self.clock() - p.first_seen >= self.timeout
+
     def poll(self) -> list[dict[str, Any]]:
         """Emit every iteration that is due, oldest first."""
         out = []
@@ -257,7 +324,7 @@ class IterationAssembler:
         return out
 
     def _emit(self, it: int, p: _Pending) -> dict[str, Any]:
-        merged = merge_iteration(p.messages)
+        merged = merge_iteration(p.messages, p.flats)
         late, self.late = self.late, []
         if late:
             views = {v: merged.views[v] for v in VIEWS}

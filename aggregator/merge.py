@@ -24,56 +24,29 @@ from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any
 
-VIEWS = ("kvCacheIterationStats", "kvCacheIterationStatsByPoolGroup", "kvCacheIterationStatsByLifecycle")
-WINDOW_VIEW, POOL_VIEW, LIFECYCLE_VIEW = VIEWS
-
-BYTE_FIELDS = ("iterOnboardBytes", "iterOffloadBytes", "iterIntraDeviceCopyBytes", "iterHostDroppedBytes")
-BLOCK_COUNTER_FIELDS = (
-    "iterAllocTotalBlocks",
-    "iterAllocNewBlocks",
-    "iterReusedBlocks",
-    "iterFullReusedBlocks",
-    "iterPartialReusedBlocks",
-    "iterMissedBlocks",
-    "iterGenAllocBlocks",
-    "iterOnboardBlocks",
-    "iterOffloadBlocks",
-    "iterIntraDeviceCopyBlocks",
-    "iterHostDroppedBlocks",
+from .fields import (  # noqa: F401  (re-exported: the merge rules' vocabulary)
+    BLOCK_COUNTER_FIELDS,
+    BYTE_FIELDS,
+    COUNTER_FIELDS,
+    GAUGE_FIELDS,
+    HIT_RATE_FIELD,
+    KV_STATS_COUNTERS,
+    KV_STATS_GAUGES,
+    KV_STATS_KEYS,
+    LIFECYCLE_VIEW,
+    PEAK_FIELDS,
+    POOL_VIEW,
+    STATIC_FIELDS,
+    TIERS,
+    VIEW_COUNTERS,
+    VIEW_HAS_GAUGES,
+    VIEW_HAS_HIT_RATE,
+    VIEW_KEY_NAME,
+    VIEWS,
+    WINDOW_VIEW,
+    hit_rate,
 )
-COUNTER_FIELDS = BLOCK_COUNTER_FIELDS + BYTE_FIELDS
-HIT_RATE_FIELD = "iterCacheHitRate"
-TIERS = ("primary", "secondary")
-GAUGE_FIELDS = tuple(f"{t}{s}NumBlocks" for t in TIERS for s in ("Max", "Free", "Used", "Evictable"))
-PEAK_FIELDS = tuple(f"{t}Peak{s}NumBlocks" for t in TIERS for s in ("Free", "Used", "Evictable"))
-# fields that are neither counted nor gauged: descriptive, taken from the first report that has the key
-STATIC_FIELDS = {
-    WINDOW_VIEW: (),
-    POOL_VIEW: ("poolGroupId", "slotSize"),
-    LIFECYCLE_VIEW: ("lifeCycleId", "poolGroupId", "windowSize", "kind"),
-}
-# which counters each view carries (SPEC section 4): the pool-group view has no reuse fields, the
-# life-cycle view only reuse fields and no gauges
-_REUSE = ("iterReusedBlocks", "iterFullReusedBlocks", "iterPartialReusedBlocks", "iterMissedBlocks")
-VIEW_COUNTERS = {
-    WINDOW_VIEW: COUNTER_FIELDS,
-    POOL_VIEW: tuple(f for f in COUNTER_FIELDS if f not in _REUSE),
-    LIFECYCLE_VIEW: _REUSE,
-}
-VIEW_HAS_GAUGES = {WINDOW_VIEW: True, POOL_VIEW: True, LIFECYCLE_VIEW: False}
-VIEW_HAS_HIT_RATE = {WINDOW_VIEW: True, POOL_VIEW: False, LIFECYCLE_VIEW: True}
-VIEW_KEY_NAME = {WINDOW_VIEW: "window", POOL_VIEW: "poolGroup", LIFECYCLE_VIEW: "lifeCycle"}
-
-KV_STATS_COUNTERS = ("allocTotalBlocks", "allocNewBlocks", "reusedBlocks", "missedBlocks")
-KV_STATS_GAUGES = ("maxNumBlocks", "freeNumBlocks", "usedNumBlocks")
-KV_STATS_KEYS = KV_STATS_GAUGES + ("tokensPerBlock",) + KV_STATS_COUNTERS + ("cacheHitRate",)
-
-
-def hit_rate(reused: int | float, missed: int | float) -> float:
-    """reused / (reused + missed); 0.0 when either is 0 (SPEC section 3)."""
-    if not reused or not reused + missed:
-        return 0.0
-    return reused / (reused + missed)
+from .layout import KIND_VIEWS, Flat, Layout, flatten
 
 
 def empty_bucket(view: str) -> dict[str, Any]:
@@ -247,9 +220,9 @@ def _sum_rows(rows: dict, views: dict) -> None:
             b[f] += total
 
 
-def merge_iteration(messages: list[dict[str, Any]]) -> MergedIteration:
-    """Merge the rank messages of one iteration (any subset of ranks; any rank may appear more than once
-    when an outbox folded several messages) into the cluster statistics of that iteration."""
+def merge_iteration_reference(messages: list[dict[str, Any]]) -> MergedIteration:
+    """`merge_iteration` bucket by bucket on the dicts: the plain statement of the rules, kept as the oracle
+    the fast path is tested against (and the bench's baseline)."""
     views = new_views()
     rows: dict = {}
     by_group: dict[int, list[dict[str, Any]]] = {}
@@ -274,6 +247,90 @@ def merge_iteration(messages: list[dict[str, Any]]) -> MergedIteration:
                 seen_tp.add(m["tp_rank"])
                 divergence.extend(tp_divergence(ref, m))
     _sum_rows(rows, views)
+    finish_hit_rates(views)
+    errors = []
+    err = tokens_per_block_error(messages)
+    if err:
+        errors.append(err)
+    return MergedIteration(sort_views(views), divergence, errors)
+
+
+def _add_buckets(views: dict, lay: Layout, report: dict[str, Any], kind: str, done: set) -> None:
+    """Create the buckets a `kind` row of `report` lands in (static fields from the first report that has
+    the key) and union pool-group `windowSizes`; once per (layout, kind) per merge, the union every time."""
+    first = (lay, kind) not in done
+    for view in KIND_VIEWS[kind]:
+        dst_view = views[view]
+        if first:
+            src_view = report.get(view) or {}
+            for key in lay.keys[view]:
+                if key not in dst_view:
+                    dst_view[key] = _new_bucket(view, src_view[key])
+                elif view == POOL_VIEW:
+                    _union_window_sizes(dst_view[key], src_view[key])
+        elif view == POOL_VIEW:
+            src_view = report.get(view) or {}
+            for key in lay.keys[view]:
+                _union_window_sizes(dst_view[key], src_view[key])
+    done.add((lay, kind))
+
+
+def _union_window_sizes(dst: dict[str, Any], src: dict[str, Any]) -> None:
+    ws, dst_ws = src.get("windowSizes"), dst["windowSizes"]
+    if ws and ws != dst_ws:
+        dst["windowSizes"] = sorted(set(dst_ws) | set(ws))
+
+
+def merge_iteration(messages: list[dict[str, Any]], flats: list[Flat] | None = None) -> MergedIteration:
+    """Merge the rank messages of one iteration (any subset of ranks; any rank may appear more than once
+    when an outbox folded several messages) into the cluster statistics of that iteration.
+
+    Each report is read as rows of numbers (layout.py; `flats` when the caller flattened them at ingest)
+    and the rows of one layout are summed column-wise at C speed, then added into the record's buckets.
+    """
+    if flats is None:
+        flats = [flatten(m["report"], m["tp_rank"], check=False) for m in messages]
+    views = new_views()
+    done: set = set()
+    sums: dict[tuple[Layout, str], list[list]] = {}
+    by_group: dict[int, list[int]] = {}
+    for i, m in enumerate(messages):
+        fl = flats[i]
+        _add_buckets(views, fl.layout, m["report"], fl.kind, done)
+        rows = sums.get((fl.layout, fl.kind))
+        if rows is None:
+            sums[(fl.layout, fl.kind)] = [fl.counters]
+        else:
+            rows.append(fl.counters)
+        g = by_group.get(m["dp_rank"])
+        if g is None:
+            by_group[m["dp_rank"]] = [i]
+        else:
+            g.append(i)
+    divergence: list[dict[str, Any]] = []
+    for dp in sorted(by_group):
+        group = by_group[dp]
+        if len(group) > 1:
+            group = sorted(group, key=lambda i: (messages[i]["tp_rank"], messages[i].get("seq", 0)))
+            # the newest message of the lowest tp rank present gives the group's gauges
+            ref_tp = messages[group[0]]["tp_rank"]
+            ref_i = [i for i in group if messages[i]["tp_rank"] == ref_tp][-1]
+        else:
+            ref_i = group[0]
+        ref, fl = messages[ref_i], flats[ref_i]
+        _add_buckets(views, fl.layout, ref["report"], "gauges", done)
+        sums.setdefault((fl.layout, "gauges"), []).append(fl.gauges)
+        if len(group) > 1:
+            seen_tp = {ref["tp_rank"]}
+            for i in reversed(group):
+                m = messages[i]
+                if m["tp_rank"] not in seen_tp:
+                    seen_tp.add(m["tp_rank"])
+                    divergence.extend(tp_divergence(ref, m))
+    for (lay, kind), rows in sums.items():
+        totals = rows[0] if len(rows) == 1 else map(sum, zip(*rows, strict=True))
+        for (view, key, f), total in zip(lay.slots[kind], totals, strict=True):
+            views[view][key][f] += total
     finish_hit_rates(views)
     errors = []
     err = tokens_per_block_error(messages)
@@ -351,6 +408,9 @@ class ClusterCumulative:
     def __init__(self) -> None:
         self.ranks: dict[int, _RankCumulative] = {}
         self.floor: dict[str, int] = dict.fromkeys(KV_STATS_COUNTERS, 0)
+        # `computed()` kept up to date by `update` (a snapshot replaced: its difference; banking moves counts
+        # between two places that are both summed): O(1) per message instead of O(ranks) per record
+        self._sum: dict[str, int] = dict.fromkeys(KV_STATS_COUNTERS, 0)
 
     def update(self, message: dict[str, Any]) -> None:
         stats = message.get("kv_cache_stats")
@@ -366,6 +426,13 @@ class ClusterCumulative:
         old = r.snapshots.get(inc)
         if old is None or seq > old[0]:
             r.snapshots[inc] = (seq, counters)
+            if r.tp_rank == 0:
+                total = self._sum
+                for k, v in counters.items():
+                    total[k] += v
+                if old is not None:
+                    for k, v in old[1].items():
+                        total[k] -= v
         if len(r.snapshots) > self.max_incarnations:
             oldest = next(i for i in r.snapshots if i != inc)  # dict order = first seen
             for k, v in r.snapshots.pop(oldest)[1].items():
@@ -381,6 +448,9 @@ class ClusterCumulative:
 
     def computed(self) -> dict[str, int]:
         """Sum over tp-rank-0 ranks of banked + every incarnation's latest snapshot (no floor)."""
+        return dict(self._sum)
+
+    def _resum(self) -> dict[str, int]:
         out = dict.fromkeys(KV_STATS_COUNTERS, 0)
         for r in self.ranks.values():
             if r.tp_rank != 0:
@@ -446,4 +516,5 @@ class ClusterCumulative:
                 banked=dict(s["banked"]), banked_incarnations=set(s["banked_incarnations"]),
                 gauges=dict(s["gauges"]), tokens_per_block=s["tokens_per_block"],
             )
+        c._sum = c._resum()
         return c

@@ -136,6 +136,7 @@ class RankOutbox:
                 batch = self._next_batch()
                 if not batch:
                     return
+                polling = self._aggregator is not None and all(e.state == DELIVERED for e in batch)
                 now = time.monotonic()
                 for e in batch:
                     e.state, e.sent_at = IN_FLIGHT, now
@@ -144,6 +145,11 @@ class RankOutbox:
                     from .actor import aggregator_name
 
                     self._handle = ray.get_actor(aggregator_name(self.engine_id))
+                if polling:  # delivered, only waiting for acks: ask for them instead of re-sending
+                    poll = sorted({e.message["incarnation"] for e in batch})
+                    reply = ray.get(self._handle.ingest.remote([], poll=poll))
+                    self._apply([], reply, polled=batch)
+                    continue
                 reply = ray.get(self._handle.ingest.remote([e.message for e in batch]))
             except Exception as e:  # dead or unreachable actor, or not created yet: keep all, retry
                 log.warning("stats aggregator unreachable (%s: %s); keeping %d messages", type(e).__name__,
@@ -158,9 +164,11 @@ class RankOutbox:
                 continue
             self._apply(batch, reply)
 
-    def _apply(self, batch: list[_Entry], reply: dict[str, Any]) -> None:
+    def _apply(self, batch: list[_Entry], reply: dict[str, Any], polled: list[_Entry] = ()) -> None:
         with self._cv:
             self.sent_batches += 1
+            for e in polled:  # still held by the same aggregator unless the reply says otherwise
+                e.state, e.sent_at = DELIVERED, time.monotonic()
             who = (reply.get("aggregator_id"), reply["epoch"])
             if who != self._aggregator:
                 if self._aggregator is not None:

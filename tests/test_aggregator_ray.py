@@ -25,7 +25,11 @@ class FakeRank:
 
     def __init__(self, engine_id: str, rank: int, seed: int) -> None:
         self.sim = SimRank(rank, tp=1, seed=seed, engine_id=engine_id)
-        self.box = RankOutbox(engine_id, resend_after_s=0.1)
+        # connect before the stream starts, as a real rank does during setup: a first call that is still
+        # connecting must not look like a missing rank to the aggregator's timeout
+        handle = ray.get_actor(aggregator_name(engine_id))
+        ray.get(handle.health.remote())
+        self.box = RankOutbox(engine_id, resend_after_s=0.1, handle=handle)
 
     def step(self, iteration: int) -> str:
         self.box.put(self.sim.step(iteration))
@@ -59,8 +63,9 @@ def alloc(rec: dict) -> int:
 
 def test_rank_killed_gives_incomplete_records_then_complete_again(ray_cluster):
     eng = "t-rank-kill"
-    agg = get_or_create_aggregator(eng, world_size=2, tp=1, stats_timeout_s=0.5)
+    agg = get_or_create_aggregator(eng, world_size=2, tp=1, stats_timeout_s=1.0)
     r0, r1 = FakeRank.remote(eng, 0, 0), FakeRank.remote(eng, 1, 0)
+    ray.get([r0.__ray_ready__.remote(), r1.__ray_ready__.remote()])
     stats_seen = []
     for it in range(3):
         ray.get([r0.step.remote(it), r1.step.remote(it)])
@@ -86,6 +91,7 @@ def test_rank_killed_gives_incomplete_records_then_complete_again(ray_cluster):
     health = ray.get(agg.ranks.remote())
     assert health["1"]["healthy"] and health["1"]["incarnation"] == incs[0]
     assert ray.get([r0.flush.remote(10), r1b.flush.remote(10)]) == [True, True]
+    assert ray.get(agg.health.remote())["counts"]["duplicates"] == 0, "acks are polled, never re-sent"
     stats_seen.append(ray.get(agg.kv_cache_stats.remote()))
     for k in ("allocTotalBlocks", "reusedBlocks", "missedBlocks"):
         assert [s[k] for s in stats_seen] == sorted(s[k] for s in stats_seen)  # never backwards
@@ -99,6 +105,7 @@ def test_aggregator_killed_comes_back_without_losing_counts(ray_cluster):
     eng = "t-agg-kill"
     agg = get_or_create_aggregator(eng, world_size=2, tp=1, stats_timeout_s=5.0)
     r0, r1 = FakeRank.remote(eng, 0, 2), FakeRank.remote(eng, 1, 3)
+    ray.get([r0.__ray_ready__.remote(), r1.__ray_ready__.remote()])
     for it in range(5):
         ray.get([r0.step.remote(it), r1.step.remote(it)])
     seen = {(r["aggregatorEpoch"], r["iter"]): r for r in records_through(agg, 4)}

@@ -1,0 +1,159 @@
+"""The flattened fast merge (aggregator/layout.py) against the bucket-by-bucket reference merge: identical
+records for any mix of key layouts, tp ranks, folded duplicates, missing fields and windowSizes; bad bucket
+shapes rejected at ingest with a reason; the incremental cluster cumulative equal to a full re-sum."""
+
+import json
+import random
+import sys
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_aggregator_support import ENGINE, SimRank, kv_stats, make_report, message
+
+from aggregator.assembler import IterationAssembler
+from aggregator.layout import LayoutError, flatten, layout_of
+from aggregator.merge import (
+    KV_STATS_COUNTERS,
+    LIFECYCLE_VIEW,
+    POOL_VIEW,
+    WINDOW_VIEW,
+    ClusterCumulative,
+    merge_iteration,
+    merge_iteration_reference,
+)
+
+
+def _vary(report: dict, rng: random.Random) -> dict:
+    """Drop or add keys, drop fields, change windowSizes and static fields: layouts that differ."""
+    if rng.random() < 0.3:
+        report[WINDOW_VIEW].pop(rng.choice(list(report[WINDOW_VIEW])))
+    if rng.random() < 0.3:
+        report[WINDOW_VIEW]["4096"] = dict(next(iter(report[WINDOW_VIEW].values()), make_report()[WINDOW_VIEW]["512"]))
+    if rng.random() < 0.3:
+        report[LIFECYCLE_VIEW].pop("1", None)
+    if rng.random() < 0.3:
+        pg = report[POOL_VIEW]["0"]
+        pg["windowSizes"] = rng.choice([[512, 4096], [4096], [], [512, 512]])
+        pg["slotSize"] = rng.choice([4096, 8192])
+    if rng.random() < 0.2:
+        b = report[WINDOW_VIEW].get("1024")
+        if b:
+            for f in rng.sample(sorted(b), 3):
+                del b[f]
+    if rng.random() < 0.2:
+        report[LIFECYCLE_VIEW]["0"]["kind"] = "sliding"
+    return report
+
+
+def _random_iteration(rng: random.Random, dp: int, tp: int) -> list[dict]:
+    msgs = []
+    for r in range(dp * tp):
+        if rng.random() < 0.15:
+            continue  # a missing rank
+        for k in range(rng.choice([1, 1, 1, 2])):  # sometimes two messages of one rank (a fold)
+            rep = _vary(make_report(rng=rng, bytes_scale=4096), rng)
+            msgs.append(message(r, 7, 10 * r + k, tp=tp, report=rep,
+                                stats=kv_stats(tokens_per_block=rng.choice([16, 16, 16, 32]))))
+    rng.shuffle(msgs)
+    return msgs
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), dp=st.integers(1, 4), tp=st.integers(1, 3))
+def test_fast_merge_equals_reference(seed, dp, tp):
+    msgs = _random_iteration(random.Random(seed), dp, tp)
+    fast, ref = merge_iteration(msgs), merge_iteration_reference(msgs)
+    assert fast.views == ref.views
+    assert json.dumps(fast.views) == json.dumps(ref.views)  # same key and field order too
+    assert fast.tp_divergence == ref.tp_divergence and fast.errors == ref.errors
+    # precomputed (checked) rows give the same record
+    flats = [flatten(m["report"], m["tp_rank"]) for m in msgs]
+    assert merge_iteration(msgs, flats).views == ref.views
+
+
+def test_layout_cached_by_key_set():
+    a, b = make_report(), make_report(counters={"iterAllocTotalBlocks": 3})
+    assert layout_of(a) is layout_of(b)
+    del b[WINDOW_VIEW]["1024"]
+    assert layout_of(a) is not layout_of(b)
+
+
+@pytest.mark.parametrize("tp_rank", [0, 1])
+def test_bad_bucket_shapes_rejected_at_ingest_with_reason(tp_rank):
+    a = IterationAssembler(ENGINE, 2, 2, 1.0)
+    bad_bucket = make_report()
+    bad_bucket[WINDOW_VIEW]["512"] = [1, 2, 3]
+    bad_number = make_report(counters={"iterOffloadBytes": "12"})
+    bad_gauge = make_report(gauges={"primaryFreeNumBlocks": None})
+    bad_lc = make_report()
+    bad_lc[LIFECYCLE_VIEW]["0"] = "x"
+    with pytest.raises(LayoutError, match="must be a dict"):
+        flatten(bad_bucket, tp_rank)
+    msgs = [message(tp_rank, 0, s, tp=2, report=r) for s, r in enumerate([bad_bucket, bad_number, bad_gauge, bad_lc])]
+    res = a.ingest(msgs + [message(tp_rank, 0, 9, tp=2)])
+    assert [r["index"] for r in res.rejected] == [0, 1, 2, 3]
+    assert "must be a dict, got list" in res.rejected[0]["error"]
+    assert "counters must be numbers, got str" in res.rejected[1]["error"]
+    assert "gauges must be numbers, got NoneType" in res.rejected[2]["error"]
+    assert "must be a dict, got str" in res.rejected[3]["error"]
+    assert a.counts["messages"] == 1 and a.counts["rejected"] == 4
+    # a rejected message is not marked seen: fixed and re-sent with the same seq, it is taken
+    assert a.ingest([message(tp_rank, 0, 0, tp=2)]).rejected == [] and a.counts["messages"] == 2
+
+
+def test_fast_and_field_by_field_validation_agree():
+    from aggregator.assembler import MessageError, _validate_fields, validate_message
+
+    good = message(1, 3, 4, tp=2)
+    variants = [good, {**good, "iterations": [2, 3]}, {**good, "iterations": [4, 3]}, {**good, "rank": True},
+                {**good, "rank": 9}, {**good, "dp_rank": 1}, {**good, "engine_id": "x"}, {**good, "seq": -1},
+                {**good, "report": {WINDOW_VIEW: []}}, {**good, "kv_cache_stats": []}, {**good, "report": []},
+                {**good, "kv_cache_stats": None}, {k: v for k, v in good.items() if k != "incarnation"},
+                {**good, "kv_cache_stats": {**good["kv_cache_stats"], "allocTotalBlocks": "7"}}]
+    for m in variants:
+        errs = []
+        for fn in (validate_message, _validate_fields):
+            try:
+                fn(m, ENGINE, 4, 2)
+                errs.append(None)
+            except MessageError as e:
+                errs.append(str(e))
+        if errs[1] is not None or "kv_cache_stats" in str(errs[0]):
+            assert errs[0] is not None, m  # never accepted by the fast path when the full check rejects it
+        else:
+            assert errs[0] is None, (m, errs)
+    with pytest.raises(MessageError, match="kv_cache_stats\\['allocTotalBlocks'\\] must be a number"):
+        validate_message(variants[-1], ENGINE, 4, 2)
+
+
+def _brute(c: ClusterCumulative) -> dict:
+    out = dict.fromkeys(KV_STATS_COUNTERS, 0)
+    for r in c.ranks.values():
+        if r.tp_rank == 0:
+            for k in out:
+                out[k] += r.banked[k] + sum(snap[k] for _, snap in r.snapshots.values())
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10**6))
+def test_incremental_cumulative_equals_full_resum(seed):
+    rng = random.Random(seed)
+    c = ClusterCumulative()
+    ranks = [SimRank(r, 2, seed) for r in range(4)]
+    sent = []
+    for it in range(30):
+        rk = rng.choice(ranks)
+        if rng.random() < 0.15:
+            rk.restart()
+        sent.append(rk.step(it))
+        m = rng.choice(sent) if rng.random() < 0.3 else sent[-1]  # re-sent and reordered snapshots
+        c.update(m)
+        assert c.computed() == _brute(c)
+    d = ClusterCumulative.from_state(json.loads(json.dumps(c.to_state())))
+    assert d.computed() == _brute(d) == c.computed() and d.stats() == c.stats()
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
