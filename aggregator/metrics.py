@@ -117,7 +117,7 @@ def collect_families(snap: dict[str, Any]):
     windows = snap["totals"][WINDOW_VIEW]
     for f in VIEW_COUNTERS[WINDOW_VIEW]:
         name = f"kvfleet_kv_cache_{_iter_name(f)}_total"
-        if name in fams:
+        if name in fams and not fams[name].samples:  # the kvCacheStats counters above take precedence
             put(name, sum(t[f] for t in windows.values()))
     for key, t in windows.items():
         for f in VIEW_COUNTERS[WINDOW_VIEW]:

@@ -77,6 +77,8 @@ def test_query_subscribers_ranks_and_stats():
     assert 'kvfleet_rank_healthy{dp_rank="1",rank="1",tp_rank="0"} 0.0' in text
     assert "kvfleet_stats_incomplete_records_total 1.0" in text
     assert "kvfleet_kv_cache_onboard_bytes_total" in text
+    series = [line.rsplit(" ", 1)[0] for line in text.splitlines() if line and not line.startswith("#")]
+    assert len(series) == len(set(series)), "every series (name + labels) appears once"
     for name, kind, _, _ in METRICS:
         assert f"# TYPE {name} {kind}" in text
         assert kind != "counter" or name.endswith("_total")
