@@ -340,7 +340,9 @@ class KVCache:
         """Move this request's pending statistics into the manager's totals and iteration deltas."""
         mgr = self._mgr
         if mgr._dirty and self._stats:
-            mgr._sample_peaks()
+            for pool in mgr._pools:
+                pool.sample_peaks()
+            mgr._dirty = False
         if not self._pending:  # most decode steps
             return EMPTY_DELTA
         alloc = missed = reused = 0

@@ -68,8 +68,9 @@ class KVCacheManager:
         self._rec = self._stats_on  # whether the operation in progress records statistics
         self._iter = [[0] * NUM_COUNTERS for _ in self.life_cycles]
         self._totals = [0, 0, 0, 0]  # alloc_total, alloc_new, reused, missed
-        self._peaks = [[list(p.gauges()[1:]) for p in self._primary],
-                       [list(p.gauges()[1:]) if p else [0, 0, 0] for p in self._secondary]]
+        self._pools = [p for p in self._primary + self._secondary if p is not None]
+        self._lc_meta = [{"id": lc.id, "pool_group": lc.pool_group, "window_key": lc.window_key, "kind": lc.kind}
+                         for lc in self.life_cycles]
         self._dirty = False
         self._roots: dict = {}
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -114,24 +115,20 @@ class KVCacheManager:
         if not self._stats_on:
             return None
         self._sample_peaks()
-        lcs = []
-        for lc in self.life_cycles:
-            lcs.append({"id": lc.id, "pool_group": lc.pool_group, "window_key": lc.window_key, "kind": lc.kind,
-                        "counters": self._iter[lc.id]})
-            self._iter[lc.id] = [0] * NUM_COUNTERS
+        counters = self._iter
+        self._iter = [[0] * NUM_COUNTERS for _ in counters]
         groups = []
         for pg in self.pool_groups:
             tiers = []
-            for tier, pools in enumerate((self._primary, self._secondary)):
+            for pools in (self._primary, self._secondary):
                 pool = pools[pg.id]
                 if pool is None:
                     tiers.append((0,) * 7)
                     continue
-                g = pool.gauges()
-                tiers.append(g + tuple(self._peaks[tier][pg.id]))
-                self._peaks[tier][pg.id] = list(g[1:])
+                tiers.append(pool.gauges() + (pool.peak_free, pool.peak_used, pool.peak_evictable))
+                pool.reseed_peaks()
             groups.append(PoolGroupSnapshot(pg.id, pg.slot_bytes, list(pg.window_keys), tiers[0], tiers[1]))
-        return KvCacheIterationReport(lcs, groups)
+        return KvCacheIterationReport(self._lc_meta, counters, groups)
 
     def fits(self, num_tokens: int, chunk_tokens: int | None = None) -> bool:
         """Whether one request of `num_tokens` can ever be held on the primary tier (prefill chunked by
@@ -263,19 +260,8 @@ class KVCacheManager:
             self._primary[self._lc_pg[page.lc]].suspended[page] = None
 
     def _sample_peaks(self) -> None:
-        for tier, pools in enumerate((self._primary, self._secondary)):
-            peaks = self._peaks[tier]
-            for i, pool in enumerate(pools):
-                if pool is None:
-                    continue
-                _, free, used, ev = pool.gauges()
-                pk = peaks[i]
-                if free > pk[0]:
-                    pk[0] = free
-                if used > pk[1]:
-                    pk[1] = used
-                if ev > pk[2]:
-                    pk[2] = ev
+        for pool in self._pools:
+            pool.sample_peaks()
         self._dirty = False
 
     # ---- reuse tree -------------------------------------------------------------------------------------

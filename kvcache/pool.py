@@ -26,7 +26,8 @@ class Page:
 
 
 class SlotPool:
-    __slots__ = ("tensor", "num_slots", "free", "evictable", "num_evictable", "suspended")
+    __slots__ = ("tensor", "num_slots", "free", "evictable", "num_evictable", "suspended", "peak_free",
+                 "peak_used", "peak_evictable")
 
     def __init__(self, num_slots: int, slot_bytes: int, device: str, pin: bool = False) -> None:
         self.num_slots = num_slots
@@ -35,6 +36,7 @@ class SlotPool:
         self.evictable: dict[int, dict[Page, None]] = {}  # priority -> insertion-ordered LRU
         self.num_evictable = 0
         self.suspended: dict[Page, None] = {}
+        self.reseed_peaks()
 
     def add_evictable(self, page: Page) -> None:
         lru = self.evictable.get(page.priority)
@@ -57,6 +59,19 @@ class SlotPool:
                 self.num_evictable -= 1
                 return page
         raise LookupError("no evictable page")
+
+    def sample_peaks(self) -> None:
+        ev = self.num_evictable
+        free = len(self.free) + ev
+        if free > self.peak_free:
+            self.peak_free = free
+        if self.num_slots - free > self.peak_used:
+            self.peak_used = self.num_slots - free
+        if ev > self.peak_evictable:
+            self.peak_evictable = ev
+
+    def reseed_peaks(self) -> None:
+        _, self.peak_free, self.peak_used, self.peak_evictable = self.gauges()
 
     def gauges(self) -> tuple[int, int, int, int]:
         """(max, free incl. evictable, used, evictable)."""

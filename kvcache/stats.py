@@ -86,12 +86,13 @@ class IdKeyDict(dict):
         return dict.get(self, str(key) if isinstance(key, int) else key, default)
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False, slots=True)
 class KVCacheStatsDelta:
     """Cumulative-manager-total counters: a request's delta, or the manager's running totals.
 
     A dataclass that also reads as the tuple the spec prints, `(alloc_total, alloc_new, reused, missed)`:
-    it iterates, unpacks and compares equal to that tuple."""
+    it iterates, unpacks and compares equal to that tuple. Treat it as immutable (it is not frozen only
+    because a frozen dataclass's __init__ costs several times more on the stats path)."""
 
     alloc_total_blocks: int = 0
     alloc_new_blocks: int = 0
@@ -211,17 +212,19 @@ class PoolGroupSnapshot:
 class KvCacheIterationReport:
     """What one drain of `get_iteration_stats()` saw: per-life-cycle counters and per-pool-group gauges."""
 
-    life_cycles: list[dict]  # {"id", "pool_group", "window_key", "kind", "counters": list[int]}
+    life_cycles: list[dict]  # static, shared between reports: {"id", "pool_group", "window_key", "kind"}
+    counters: list[list[int]]  # per life cycle, indexed by the constants at the top
     pool_groups: list[PoolGroupSnapshot]
 
     def by_life_cycle(self) -> dict[int, KVCacheIterationStatsDelta]:
-        return {lc["id"]: KVCacheIterationStatsDelta.from_counters(lc["counters"]) for lc in self.life_cycles}
+        return {lc["id"]: KVCacheIterationStatsDelta.from_counters(c)
+                for lc, c in zip(self.life_cycles, self.counters, strict=True)}
 
     def to_dict(self) -> dict:
         windows: dict[str, list[int]] = {}
-        for lc in self.life_cycles:
+        for lc, counters in zip(self.life_cycles, self.counters, strict=True):
             acc = windows.setdefault(lc["window_key"], [0] * NUM_COUNTERS)
-            for i, v in enumerate(lc["counters"]):
+            for i, v in enumerate(counters):
                 acc[i] += v
         buckets = IdKeyDict()
         for key, counters in windows.items():
@@ -235,17 +238,16 @@ class KvCacheIterationReport:
         by_pg = IdKeyDict()
         for pg in self.pool_groups:
             acc = [0] * NUM_COUNTERS
-            for lc in self.life_cycles:
+            for lc, counters in zip(self.life_cycles, self.counters, strict=True):
                 if lc["pool_group"] == pg.id:
-                    for i, v in enumerate(lc["counters"]):
+                    for i, v in enumerate(counters):
                         acc[i] += v
             entry = {"poolGroupId": pg.id, "slotSize": pg.slot_bytes, "windowSizes": list(pg.window_keys)}
             entry.update(pg.gauges())
             entry.update({COUNTER_KEYS[i]: acc[i] for i in POOL_GROUP_COUNTERS})
             by_pg[str(pg.id)] = entry
         by_lc = IdKeyDict()
-        for lc in self.life_cycles:
-            c = lc["counters"]
+        for lc, c in zip(self.life_cycles, self.counters, strict=True):
             entry = {"lifeCycleId": lc["id"], "poolGroupId": lc["pool_group"], "windowSize": int(lc["window_key"]),
                      "kind": lc["kind"]}
             entry.update({COUNTER_KEYS[i]: c[i] for i in LIFE_CYCLE_COUNTERS})
