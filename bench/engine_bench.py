@@ -1,7 +1,7 @@
 """Engine benchmarks on CPU: decode throughput with stats on vs off, and time to first token with prefix
 reuse on vs off (issue 4). Each pair runs in this process, alternating A/B rounds to share the machine's noise.
 
-    python bench/engine_bench.py [--rounds 2] [--device cpu|cuda]
+    python bench/engine_bench.py [--rounds 4] [--device cpu|cuda]
 
 Prints tokens/s and the stats-on/off ratio (target: overhead <= 3%), and median TTFT with the reuse-on/off
 ratio (what the prefix cache saves). No assertions on time.
@@ -58,7 +58,7 @@ async def with_engine(settings: Settings, fn, *args) -> float:
 
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--gen", type=int, default=48)
@@ -76,6 +76,8 @@ async def main() -> None:
             ttft[reuse].append(await with_engine(s, ttft_ms, 9, 768))
     on, off = max(tps[True]), max(tps[False])
     print(f"decode ({args.requests} concurrent x {args.gen} tokens, 1 rank on {args.device}):")
+    rounds = zip(tps[True], tps[False], strict=True)
+    print("  per round, stats on / off tok/s: " + ", ".join(f"{a:.0f}/{b:.0f}" for a, b in rounds))
     print(f"  stats on  {on:8.1f} tok/s   stats off {off:8.1f} tok/s   overhead {100 * (off / on - 1):+.1f}% "
           f"(ratio off/on {off / on:.3f}; target <= 1.03)")
     ron, roff = min(ttft[True]), min(ttft[False])

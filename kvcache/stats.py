@@ -85,6 +85,10 @@ class IdKeyDict(dict):
     def get(self, key, default=None):
         return dict.get(self, str(key) if isinstance(key, int) else key, default)
 
+    def __reduce__(self):
+        """Pickles as a plain dict: a receiver (the aggregator) needs neither this class nor torch."""
+        return (dict, (dict(self),))
+
 
 @dataclass(eq=False, slots=True)
 class KVCacheStatsDelta:

@@ -276,3 +276,14 @@ def test_cuda_primary_tier_with_pinned_host_tier():
     other.close()
     assert kv.resume()
     assert read_kv(mgr, kv, 0, 8) == [float(i + 1) for i in range(8)]
+
+
+def test_reports_pickle_as_plain_dicts():
+    """Rank reports cross to the aggregator, which must not have to import kvcache (and torch) to read them."""
+    import pickle
+
+    mgr = small_manager()
+    run_prompt(mgr, "a", list(range(8)))
+    d = pickle.loads(pickle.dumps(mgr.get_iteration_stats().to_dict()))
+    assert type(d["kvCacheIterationStats"]) is dict and b"kvcache" not in pickle.dumps(d)
+    assert d["kvCacheIterationStats"]["64"]["iterMissedBlocks"] == 2
