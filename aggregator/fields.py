@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
+from kvcache.stats import COUNTER_KEYS, KV_CACHE_STATS_KEYS, hit_rate  # noqa: F401  (hit_rate re-exported)
+
 VIEWS = ("kvCacheIterationStats", "kvCacheIterationStatsByPoolGroup", "kvCacheIterationStatsByLifecycle")
 WINDOW_VIEW, POOL_VIEW, LIFECYCLE_VIEW = VIEWS
 
-BYTE_FIELDS = ("iterOnboardBytes", "iterOffloadBytes", "iterIntraDeviceCopyBytes", "iterHostDroppedBytes")
-BLOCK_COUNTER_FIELDS = (
-    "iterAllocTotalBlocks",
-    "iterAllocNewBlocks",
-    "iterReusedBlocks",
-    "iterFullReusedBlocks",
-    "iterPartialReusedBlocks",
-    "iterMissedBlocks",
-    "iterGenAllocBlocks",
-    "iterOnboardBlocks",
-    "iterOffloadBlocks",
-    "iterIntraDeviceCopyBlocks",
-    "iterHostDroppedBlocks",
-)
+# the iteration counters are kvcache's (one place for the spec's names); bytes are summed over every tp rank
+BYTE_FIELDS = tuple(k for k in COUNTER_KEYS if k.endswith("Bytes"))
+BLOCK_COUNTER_FIELDS = tuple(k for k in COUNTER_KEYS if not k.endswith("Bytes"))
 COUNTER_FIELDS = BLOCK_COUNTER_FIELDS + BYTE_FIELDS
 HIT_RATE_FIELD = "iterCacheHitRate"
 TIERS = ("primary", "secondary")
@@ -45,10 +36,4 @@ VIEW_KEY_NAME = {WINDOW_VIEW: "window", POOL_VIEW: "poolGroup", LIFECYCLE_VIEW: 
 KV_STATS_COUNTERS = ("allocTotalBlocks", "allocNewBlocks", "reusedBlocks", "missedBlocks")
 KV_STATS_GAUGES = ("maxNumBlocks", "freeNumBlocks", "usedNumBlocks")
 KV_STATS_KEYS = KV_STATS_GAUGES + ("tokensPerBlock",) + KV_STATS_COUNTERS + ("cacheHitRate",)
-
-
-def hit_rate(reused: int | float, missed: int | float) -> float:
-    """reused / (reused + missed); 0.0 when either is 0 (SPEC section 3)."""
-    if not reused or not reused + missed:
-        return 0.0
-    return reused / (reused + missed)
+assert set(KV_STATS_KEYS) == set(KV_CACHE_STATS_KEYS)

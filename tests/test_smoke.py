@@ -24,3 +24,9 @@ def test_kvcache_imports_no_ray_nor_upper_layers():
 def test_aggregator_never_imports_workers():
     code = "import sys, aggregator; sys.exit(1 if 'workers' in sys.modules else 0)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_aggregator_does_not_load_torch():
+    """The stats actor shares kvcache's field names but must stay light: no torch in its process."""
+    code = "import sys, aggregator, aggregator.merge; sys.exit(1 if 'torch' in sys.modules else 0)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
