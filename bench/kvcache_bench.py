@@ -7,7 +7,8 @@ each running request takes one step, commits its pending stats, and the manager 
 get_iteration_stats(), as the engine calls them. tokens_per_block 16, 8,192 primary blocks per life cycle
 (8 KV heads x 128, fp16), once with one full-attention layer and once adding a 1,024-token window layer.
 Throughput is requests per CPU-second of this process (time.process_time), and on/off runs alternate, best of
---repeats each, so that other load on a shared machine moves both sides alike.
+--repeats each, so that other load on a shared machine moves both sides alike; the stats cost is also counted
+deterministically, as Python opcodes executed (--opcodes), since +-30% noise hides a 5% target.
 
 Reference (issue 3): vLLM 0.33's v1 KVCacheManager on this workload and machine, prompt hashing included:
 ~1,100 req/s and a 10-12 us decode step with one full-attention group; ~720 req/s and 15-18 us with the
@@ -17,6 +18,7 @@ sliding-window group added. Prints a table; no assertion on time.
 import argparse
 import random
 import statistics
+import sys
 import time
 
 import torch
@@ -82,12 +84,44 @@ def run(mgr: KVCacheManager, prompts: list[list[int]], concurrency: int, decode_
     return len(prompts) / elapsed, statistics.median(step_ns) / 1000
 
 
+def count_opcodes(fn) -> int:
+    """Python opcodes executed by fn(): a deterministic cost, unlike time on a shared, noisy machine."""
+    n = 0
+
+    def tracer(frame, event, arg):
+        nonlocal n
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            n += 1
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        fn()
+    finally:
+        sys.settrace(None)
+    return n
+
+
+def opcode_ratios(n_requests: int, concurrency: int, decode_steps: int) -> None:
+    prompts = workload(n_requests)
+    for name in ("full", "full+swa"):
+        ops = {}
+        for stats in (False, True):
+            mgr = make_manager(name == "full+swa", stats)
+            ops[stats] = count_opcodes(lambda m=mgr: run(m, prompts, concurrency, decode_steps))
+        print(f"{name:<10} opcodes stats off {ops[False]:>10} on {ops[True]:>10}  on/off {ops[True] / ops[False]:.3f}"
+              f" (target <= 1.05)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=4, help="best of N runs per configuration")
+    ap.add_argument("--opcodes", type=int, default=400, metavar="N",
+                    help="also count Python opcodes for N requests, stats on vs off (0 = skip)")
     args = ap.parse_args()
     prompts = workload(args.requests)
     print(f"{'config':<10} {'stats':<5} {'req/s':>8} {'decode us':>10} {'vs vLLM req/s':>14} {'vs vLLM step':>13}")
@@ -106,6 +140,8 @@ def main() -> None:
         ratio_time = results[False][0] / results[True][0]
         ratio_step = results[True][1] / results[False][1]
         print(f"{name:<10} stats on/off: request time ratio {ratio_time:.3f}, decode step ratio {ratio_step:.3f}")
+    if args.opcodes:
+        opcode_ratios(args.opcodes, args.concurrency, args.decode_steps)
 
 
 if __name__ == "__main__":

@@ -60,6 +60,7 @@ class KVCache:
         self._pages: list[list[Page | None]] = [[] for _ in range(n_lc)]
         self._segs: list[list[list[int]]] = [[] for _ in range(n_lc)]
         self._reuse = [[0, 0] for _ in range(n_lc)]  # pending (full, partial) reuse per life cycle
+        self._reuse_pending = False
         self._pending = False
         self._active = False
         self._closed = False
@@ -104,7 +105,8 @@ class KVCache:
                 self._reuse[lc.id][0] += counted
                 self._reuse[lc.id][1] += 1 if n % B else 0
         self._partial_src = n % B != 0
-        self._pending = self._stats
+        self._pending = self._reuse_pending = self._stats
+        mgr._dirty = True  # held pages are no longer evictable
 
     # ---- state ------------------------------------------------------------------------------------------
     @property
@@ -258,8 +260,13 @@ class KVCache:
                         page = Page(lc, 0, slots.pop(), prio)
                         page.ref = page.active_ref = 1
                         pages.append(page)
-                    if self._stats:
-                        self._add_segment(lc, old, new, kind)
+                    if self._stats:  # _add_segment, inlined on the hot path
+                        segs = self._segs[lc]
+                        if segs and segs[-1][1] == old and segs[-1][2] == kind:
+                            segs[-1][1] = new
+                        else:
+                            segs.append([old, new, kind])
+            self._pending = self._pending or self._stats
             mgr._dirty = True
         elif new < old:
             for lc, pages in enumerate(self._pages):
@@ -346,10 +353,10 @@ class KVCache:
         if not self._pending:  # most decode steps
             return EMPTY_DELTA
         alloc = missed = reused = 0
+        iters = mgr._iter
         for lc, segs in enumerate(self._segs):
-            c = None
             if segs:
-                c = mgr._iter[lc]
+                c = iters[lc]
                 for start, end, kind in segs:
                     n = end - start
                     alloc += n
@@ -361,14 +368,15 @@ class KVCache:
                     elif kind == SEG_GEN:
                         c[GEN_ALLOC] += n
                 segs.clear()
-            r = self._reuse[lc]
-            if r[0] or r[1]:
-                c = c or mgr._iter[lc]
+        if self._reuse_pending:  # once per request, after its reuse match
+            for lc, r in enumerate(self._reuse):
+                c = iters[lc]
                 c[FULL_REUSED] += r[0]
                 c[PARTIAL_REUSED] += r[1]
                 c[REUSED] += r[0] + r[1]
                 reused += r[0] + r[1]
                 r[0] = r[1] = 0
+            self._reuse_pending = False
         t = mgr._totals
         t[0] += alloc
         t[1] += alloc
@@ -387,7 +395,7 @@ class KVCache:
             segs.clear()
         for r in self._reuse:
             r[0] = r[1] = 0
-        self._pending = False
+        self._pending = self._reuse_pending = False
         if (self._root is not None and self._history % B and not self._partial_src
                 and len(self._nodes) == self._history // B):
             self._publish(self._history // B, B)

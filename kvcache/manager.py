@@ -125,8 +125,7 @@ class KVCacheManager:
                 if pool is None:
                     tiers.append((0,) * 7)
                     continue
-                tiers.append(pool.gauges() + (pool.peak_free, pool.peak_used, pool.peak_evictable))
-                pool.reseed_peaks()
+                tiers.append(pool.drain_gauges())
             groups.append(PoolGroupSnapshot(pg.id, pg.slot_bytes, list(pg.window_keys), tiers[0], tiers[1]))
         return KvCacheIterationReport(self._lc_meta, counters, groups)
 
@@ -250,12 +249,11 @@ class KVCacheManager:
             pool.suspended[page] = None
 
     def _hold(self, page: Page) -> None:
-        """An inactive request takes a page (a reuse match)."""
+        """An inactive request takes a page (a reuse match); the caller marks the gauges dirty."""
         if page.ref == 0:
             pools = self._primary if page.tier == 0 else self._secondary
             pools[self._lc_pg[page.lc]].remove_evictable(page)
         page.ref += 1
-        self._dirty = True
         if page.tier == 0 and page.active_ref == 0:
             self._primary[self._lc_pg[page.lc]].suspended[page] = None
 

@@ -70,6 +70,15 @@ class SlotPool:
         if ev > self.peak_evictable:
             self.peak_evictable = ev
 
+    def drain_gauges(self) -> tuple[int, ...]:
+        """(max, free, used, evictable, peak free, peak used, peak evictable); peaks re-seeded from now."""
+        ev = self.num_evictable
+        free = len(self.free) + ev
+        used = self.num_slots - free
+        out = (self.num_slots, free, used, ev, self.peak_free, self.peak_used, self.peak_evictable)
+        self.peak_free, self.peak_used, self.peak_evictable = free, used, ev
+        return out
+
     def reseed_peaks(self) -> None:
         _, self.peak_free, self.peak_used, self.peak_evictable = self.gauges()
 
