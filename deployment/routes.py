@@ -137,11 +137,13 @@ def create_api(engine: Any, stats: StatsSource, settings: Settings,
         return ids
 
     def encode_chat(req: protocol.ChatCompletionRequest) -> list[int]:
-        try:
-            rendered = engine.tokenizer.apply_chat_template(req.chat_messages())
+        tok = engine.tokenizer
+        try:  # encode_chat does not double a BOS that the model's template already writes
+            ids = (tok.encode_chat(req.chat_messages()) if hasattr(tok, "encode_chat")
+                   else tok.encode(tok.apply_chat_template(req.chat_messages())))
         except ValueError as exc:  # the model's template refused these messages (e.g. roles out of order)
             raise APIError(400, f"chat template: {exc}", code="invalid_messages", param="messages") from None
-        return encode_prompt(rendered)
+        return encode_prompt(ids)
 
     async def run(request_id: str, ids: list[int], params: Any, stop: list[str],
                   usage: "Usage") -> AsyncIterator[tuple[str, str | None]]:

@@ -51,12 +51,20 @@ def test_earliest_of_several_stops_wins():
 @given(st.text(alphabet="abcST🙂 ", max_size=40), st.lists(st.text(alphabet="abST", min_size=1, max_size=3),
                                                           max_size=3))
 def test_text_stream_matches_reference(text, stops):
+    """Generation stops as soon as any stop string is complete (it cannot wait for a longer one that starts
+    earlier but might never finish): cut at the earliest stop found in the shortest prefix that has one."""
     _, joined, stopped = _stream(text, stops)
-    hits = [i for i in (text.find(s) for s in stops) if i != -1]
-    if hits:
-        assert stopped and joined == text[: min(hits)]
-    else:
-        assert not stopped and joined == text
+    for n in range(1, len(text) + 1):
+        hits = [i for i in (text[:n].find(s) for s in stops) if i != -1]
+        if hits:
+            assert stopped and joined == text[: min(hits)]
+            return
+    assert not stopped and joined == text
+
+
+def test_a_stop_that_completes_first_wins_over_a_longer_one_starting_earlier():
+    _, joined, stopped = _stream("TSS", ["S", "TSS"])
+    assert stopped and joined == "T"
 
 
 def test_sse_writer_and_reader_agree():
