@@ -18,6 +18,7 @@ from kvcache import (
     KvCacheStats,
     KVCacheStatsDelta,
 )
+from tests.kvcache_helpers import spec_manager
 
 SLOT = 2 << 20  # the worked examples' slot: 2 * 4 tokens * 128 heads * 1024 dims * 2 bytes
 
@@ -41,24 +42,6 @@ KV_CACHE_STATS_KEYS = ["maxNumBlocks", "freeNumBlocks", "usedNumBlocks", "tokens
 
 
 # ---- builders -------------------------------------------------------------------------------------------
-def spec_mgr(**overrides) -> KVCacheManager:
-    """Section 5's manager, built exactly as section 2 writes it."""
-    cfg = dict(
-        tokens_per_block=4,
-        max_seq_len=16,
-        layers=[AttentionLayerConfig(layer_id=0, num_kv_heads=128, head_dim=1024,
-                                     dtype=torch.float16, window_size=None, num_sink_tokens=0)],
-        gpu_cache_bytes=8 << 20,
-        host_cache_bytes=0,
-        enable_block_reuse=True,
-        enable_partial_reuse=True,
-        enable_stats=True,
-        device="cpu",
-    )
-    cfg.update(overrides)
-    return KVCacheManager(KVCacheManagerConfig(**cfg))
-
-
 def tiny_mgr(layers, primary_slots, host_slots=0, B=4, max_seq_len=64, **kw) -> KVCacheManager:
     """Layers given as (window, sinks, heads); fp32 x 4 dims, so a slot is 2*B*heads*16 bytes a layer.
     Budgets are per life cycle (each life cycle gets `primary_slots` slots when the quota splits evenly)."""
@@ -117,7 +100,7 @@ def test_config_defaults_and_keywords():
 
 
 def test_create_kv_cache_positional_and_keyword_forms():
-    mgr = spec_mgr()
+    mgr = spec_manager()
     a = mgr.create_kv_cache("a", list(range(8)), None, None, False)
     b = mgr.create_kv_cache(request_id="b", input_tokens=list(range(8)), expected_prompt_length=8,
                             cache_salt="s", exclude_from_stats=False)
@@ -127,7 +110,7 @@ def test_create_kv_cache_positional_and_keyword_forms():
 
 
 def test_kv_cache_stats_is_the_9_key_record():
-    mgr = spec_mgr()
+    mgr = spec_manager()
     stats = mgr.get_kv_cache_stats()
     assert isinstance(stats, KvCacheStats)
     d = json.loads(json.dumps(stats.to_dict()))
@@ -140,7 +123,7 @@ def test_kv_cache_stats_is_the_9_key_record():
 
 
 def test_commit_pending_stats_returns_a_stats_delta_with_the_spec_fields():
-    mgr = spec_mgr()
+    mgr = spec_manager()
     kv = mgr.create_kv_cache("r", list(range(8)))
     kv.resize(8)
     kv.commit(list(range(8)))
@@ -154,7 +137,7 @@ def test_commit_pending_stats_returns_a_stats_delta_with_the_spec_fields():
 def test_request_delta_reads_as_the_tuple_the_spec_prints():
     """Section 5 prints the request delta as a 4-tuple, `(alloc_total 2, alloc_new 2, reused 0, missed 2)`;
     a test may well unpack or compare it as one. TensorRT-LLM's delta also has `.empty`."""
-    mgr = spec_mgr()
+    mgr = spec_manager()
     kv = mgr.create_kv_cache("r", list(range(8)))
     kv.resize(8)
     kv.commit(list(range(8)))
@@ -169,7 +152,7 @@ def test_request_delta_reads_as_the_tuple_the_spec_prints():
 # ---- section 5: the worked examples, literally (no resume() where the example has none) ------------------
 @pytest.mark.parametrize("reuse", [True, False], ids=["example-1", "example-5-reuse-off"])
 def test_example_1_literal(reuse):
-    mgr = spec_mgr(enable_block_reuse=reuse)
+    mgr = spec_manager(enable_block_reuse=reuse)
     kv = mgr.create_kv_cache("r", list(range(8)))
     assert kv.resize(8)
     kv.commit(list(range(8)))
@@ -185,7 +168,7 @@ def test_example_1_literal(reuse):
 
 
 def test_example_2_literal():
-    mgr = spec_mgr()
+    mgr = spec_manager()
     kv = mgr.create_kv_cache("r", list(range(8)))
     assert kv.resize(8)
     kv.commit(list(range(8)))
@@ -199,7 +182,7 @@ def test_example_2_literal():
 
 
 def test_example_3_literal():
-    mgr = spec_mgr()
+    mgr = spec_manager()
     kv = mgr.create_kv_cache("r", list(range(8)))
     assert kv.resize(4)
     kv.commit(list(range(4)))
@@ -218,7 +201,7 @@ def test_example_3_literal():
 
 @pytest.mark.parametrize("partial,expected", [(True, 9), (False, 8)])
 def test_example_4_literal(partial, expected):
-    mgr = spec_mgr(enable_partial_reuse=partial)
+    mgr = spec_manager(enable_partial_reuse=partial)
     prompt = list(range(12))
     kv = mgr.create_kv_cache("a", prompt)
     assert kv.resize(12)
@@ -232,7 +215,7 @@ def test_example_4_literal(partial, expected):
 
 
 def test_example_4_counts_then_first_resume_copies_the_partial_block():
-    mgr = spec_mgr()
+    mgr = spec_manager()
     prompt = list(range(12))
     run(mgr, "a", prompt, resume=False)
     mgr.get_iteration_stats()
@@ -251,7 +234,7 @@ def test_example_4_counts_then_first_resume_copies_the_partial_block():
 
 
 def test_partial_copy_made_by_an_implicit_resume_in_resize_counts_the_same():
-    mgr = spec_mgr()
+    mgr = spec_manager()
     prompt = list(range(12))
     run(mgr, "a", prompt, resume=False)
     mgr.get_iteration_stats()
@@ -266,7 +249,7 @@ def test_partial_copy_made_by_an_implicit_resume_in_resize_counts_the_same():
 # ---- section 2 rules ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("partial,expected", [(True, 7), (False, 4)])
 def test_match_is_limited_to_all_but_the_last_prompt_token(partial, expected):
-    mgr = spec_mgr(enable_partial_reuse=partial)
+    mgr = spec_manager(enable_partial_reuse=partial)
     prompt = list(range(8))
     run(mgr, "a", prompt)
     kv = mgr.create_kv_cache("b", prompt)
@@ -275,16 +258,16 @@ def test_match_is_limited_to_all_but_the_last_prompt_token(partial, expected):
 
 
 def test_trailing_partial_block_is_published_on_close():
-    mgr = spec_mgr()
+    mgr = spec_manager()
     run(mgr, "a", list(range(6)))
     assert mgr.create_kv_cache("b", list(range(6)) + [99]).num_reused_tokens == 6
-    off = spec_mgr(enable_partial_reuse=False)
+    off = spec_manager(enable_partial_reuse=False)
     run(off, "a", list(range(6)))
     assert off.create_kv_cache("b", list(range(6)) + [99]).num_reused_tokens == 4
 
 
 def test_cache_salt_never_shares_blocks():
-    mgr = spec_mgr()
+    mgr = spec_manager()
     prompt = list(range(8))
     run(mgr, "a", prompt, salt="x")
     assert mgr.create_kv_cache("b", prompt + [1], cache_salt="y").num_reused_tokens == 0
@@ -293,7 +276,7 @@ def test_cache_salt_never_shares_blocks():
 
 
 def test_expected_prompt_length_decides_miss_or_generation():
-    mgr = spec_mgr()
+    mgr = spec_manager()
     # longer than the known prompt (e.g. chunks not yet tokenized): still a miss up to 12 tokens
     kv = mgr.create_kv_cache("a", list(range(4)), expected_prompt_length=12)
     assert kv.resize(4)
@@ -311,7 +294,7 @@ def test_expected_prompt_length_decides_miss_or_generation():
 
 
 def test_a_resize_is_classified_by_history_at_its_start():
-    mgr = spec_mgr()
+    mgr = spec_manager()
     kv = mgr.create_kv_cache("a", list(range(8)))
     assert kv.resize(4)
     kv.commit(list(range(4)))
@@ -323,7 +306,7 @@ def test_a_resize_is_classified_by_history_at_its_start():
 
 
 def test_shrink_rolls_back_newest_segment_first():
-    mgr = spec_mgr()
+    mgr = spec_manager()
     kv = mgr.create_kv_cache("a", list(range(4)))
     assert kv.resize(4)
     kv.commit(list(range(4)))  # history == expected: the next allocation is generation
@@ -334,7 +317,7 @@ def test_shrink_rolls_back_newest_segment_first():
 
 
 def test_excluded_request_touches_no_statistic_even_through_reuse_and_copies():
-    mgr = spec_mgr()
+    mgr = spec_manager()
     prompt = list(range(12))
     run(mgr, "a", prompt)
     mgr.get_iteration_stats()
@@ -352,7 +335,7 @@ def test_excluded_request_touches_no_statistic_even_through_reuse_and_copies():
 
 
 def test_stats_disabled():
-    mgr = spec_mgr(enable_stats=False)
+    mgr = spec_manager(enable_stats=False)
     kv = mgr.create_kv_cache("a", list(range(8)))
     assert kv.resize(8)
     kv.commit(list(range(8)))
@@ -363,7 +346,7 @@ def test_stats_disabled():
 
 
 def test_failed_resize_on_a_fresh_cache_changes_nothing():
-    mgr = spec_mgr()
+    mgr = spec_manager()
     hog = mgr.create_kv_cache("hog", list(range(100, 112)))
     assert hog.resize(12)
     kv = mgr.create_kv_cache("a", list(range(8)))
@@ -394,7 +377,7 @@ def test_failed_resize_that_needs_an_onboard_changes_nothing():
 
 
 def test_failed_resume_changes_nothing():
-    mgr = spec_mgr()
+    mgr = spec_manager()
     prompt = list(range(12))
     run(mgr, "a", prompt)
     hog = mgr.create_kv_cache("hog", list(range(100, 104)))
@@ -523,7 +506,7 @@ def test_alloc_new_equals_alloc_total_everywhere():
 
 # ---- section 3: gauges, peaks, hit rate ---------------------------------------------------------------------
 def test_gauges_free_includes_evictable():
-    mgr = spec_mgr()
+    mgr = spec_manager()
     kv = mgr.create_kv_cache("a", list(range(8)))
     assert kv.resize(8)
     kv.commit(list(range(8)))
@@ -539,7 +522,7 @@ def test_gauges_free_includes_evictable():
 
 
 def test_peak_used_is_sampled_when_a_reuse_match_takes_evictable_blocks():
-    mgr = spec_mgr()
+    mgr = spec_manager()
     run(mgr, "a", list(range(8)))  # 2 evictable blocks, 0 used
     mgr.get_iteration_stats()
     mgr.get_iteration_stats()  # peaks re-seeded: used 0
@@ -554,7 +537,7 @@ def test_peak_used_is_sampled_when_a_reuse_match_takes_evictable_blocks():
 
 
 def test_peaks_sampled_at_commit_and_reseeded_at_drain():
-    mgr = spec_mgr()
+    mgr = spec_manager()
     kv = mgr.create_kv_cache("a", list(range(12)))
     assert kv.resize(12)
     kv.commit(list(range(12)))
@@ -568,7 +551,7 @@ def test_peaks_sampled_at_commit_and_reseeded_at_drain():
 
 
 def test_hit_rate_rule():
-    mgr = spec_mgr()
+    mgr = spec_manager()
     run(mgr, "a", list(range(8)))
     kv = mgr.create_kv_cache("b", list(range(8)) + [1, 2, 3, 4, 5])
     assert kv.num_reused_tokens == 8 and kv.resize(13)
@@ -584,7 +567,7 @@ def test_hit_rate_rule():
 
 # ---- close() ----------------------------------------------------------------------------------------------
 def test_close_discards_pending_and_releases_everything():
-    mgr = spec_mgr()
+    mgr = spec_manager()
     kv = mgr.create_kv_cache("a", list(range(8)))
     assert kv.resize(8)
     kv.commit(list(range(8)))
@@ -596,7 +579,7 @@ def test_close_discards_pending_and_releases_everything():
 
 # ---- section 4: JSON shapes -------------------------------------------------------------------------------
 def test_window_bucket_has_exactly_16_iteration_fields_and_14_gauges():
-    mgr = spec_mgr()
+    mgr = spec_manager()
     d = report(mgr)
     assert set(d) == {"kvCacheIterationStats", "kvCacheIterationStatsByPoolGroup",
                       "kvCacheIterationStatsByLifecycle"}
@@ -640,7 +623,7 @@ def test_pool_group_and_life_cycle_views():
 
 
 def test_report_ids_answer_to_int_keys_before_serialisation():
-    mgr = spec_mgr()
+    mgr = spec_manager()
     d = mgr.get_iteration_stats().to_dict()
     assert d["kvCacheIterationStats"]["16"] == d["kvCacheIterationStats"][16]
     assert d["kvCacheIterationStatsByPoolGroup"]["0"] is d["kvCacheIterationStatsByPoolGroup"][0]
@@ -648,7 +631,7 @@ def test_report_ids_answer_to_int_keys_before_serialisation():
 
 
 def test_drain_resets_the_deltas():
-    mgr = spec_mgr()
+    mgr = spec_manager()
     run(mgr, "a", list(range(8)))
     assert nz(bucket(mgr))
     assert nz(bucket(mgr)) == {}
