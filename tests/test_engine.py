@@ -15,7 +15,7 @@ import torch
 
 from deployment.settings import Settings
 from kvcache import KVCacheManager
-from workers.engine import Engine, RequestError
+from workers.engine import Engine, EngineError, RequestError
 from workers.loader import kv_cache_config, load_model
 from workers.model import SeqInput
 from workers.sampling import SamplingParams
@@ -177,3 +177,14 @@ def test_an_idle_engine_does_not_step(engine):
     steps = eng.steps
     time.sleep(0.5)  # observing that nothing happens takes a window of time
     assert eng.steps == steps
+
+
+def test_an_engine_refuses_an_aggregator_of_another_shape(ray_cluster):
+    from aggregator import get_or_create_aggregator
+
+    agg = get_or_create_aggregator("engine-shape", world_size=3, tp=1)
+    eng = Engine(Settings(**{**SETTINGS, "engine_id": "engine-shape"}))
+    with pytest.raises(EngineError, match="world_size 3"):
+        asyncio.run(eng.start())
+    assert eng.workers == [], "nothing was started"
+    ray.kill(agg, no_restart=True)

@@ -125,6 +125,11 @@ class Engine:
         self.aggregator = get_or_create_aggregator(s.engine_id, self.world_size, s.tp, s.stats_buffer_size,
                                                    s.stats_timeout_s)
         health = await self.aggregator.health.remote()
+        if (health["world_size"], health["tp"]) != (self.world_size, s.tp):
+            raise EngineError(
+                f"a stats aggregator for engine {s.engine_id!r} already runs with world_size "
+                f"{health['world_size']} and tp {health['tp']}, but this engine has {self.world_size} ranks "
+                f"(tp {s.tp}): use another engine_id, or stop the old engine first")
         self.iteration = max(0, int(health.get("last_iter") or -1) + 1)
         actor_cls = ray.remote(RankWorker)
         for dp in range(s.dp):
