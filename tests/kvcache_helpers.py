@@ -41,3 +41,16 @@ def bucket(mgr, window="16") -> dict:
 
 def nonzero(d: dict) -> dict:
     return {k: v for k, v in d.items() if v and k.startswith("iter")}
+
+
+def run_prompt(mgr, rid, prompt, extra=0, close=True, salt=None, resume=True):
+    """One request's prefill: create, (resume,) resize to the prompt + extra, commit, commit stats, close."""
+    kv = mgr.create_kv_cache(rid, prompt, cache_salt=salt)
+    if resume:
+        assert kv.resume()
+    assert kv.resize(len(prompt) + extra)
+    kv.commit(prompt[kv.history_length:])
+    kv.commit_pending_stats()
+    if close:
+        kv.close()
+    return kv

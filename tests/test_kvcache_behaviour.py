@@ -4,18 +4,7 @@ import pytest
 import torch
 
 from kvcache import KVCacheError, KVCacheStatsDelta
-from tests.kvcache_helpers import bucket, nonzero, small_manager, spec_manager
-
-
-def run_prompt(mgr, rid, prompt, extra=0, close=True, salt=None):
-    kv = mgr.create_kv_cache(rid, prompt, cache_salt=salt)
-    assert kv.resume()
-    assert kv.resize(len(prompt) + extra)
-    kv.commit(prompt[kv.history_length:])
-    kv.commit_pending_stats()
-    if close:
-        kv.close()
-    return kv
+from tests.kvcache_helpers import bucket, nonzero, run_prompt, small_manager, spec_manager
 
 
 def write_kv(mgr, kv, layer_id, start, values):

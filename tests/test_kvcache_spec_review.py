@@ -18,7 +18,7 @@ from kvcache import (
     KvCacheStats,
     KVCacheStatsDelta,
 )
-from tests.kvcache_helpers import spec_manager
+from tests.kvcache_helpers import run_prompt, spec_manager
 
 SLOT = 2 << 20  # the worked examples' slot: 2 * 4 tokens * 128 heads * 1024 dims * 2 bytes
 
@@ -74,18 +74,6 @@ def nz(d: dict) -> dict:
 
 def delta_tuple(d) -> tuple:
     return (d.alloc_total_blocks, d.alloc_new_blocks, d.reused_blocks, d.missed_blocks)
-
-
-def run(mgr, rid, prompt, extra=0, close=True, salt=None, resume=True):
-    kv = mgr.create_kv_cache(rid, prompt, cache_salt=salt)
-    if resume:
-        assert kv.resume()
-    assert kv.resize(len(prompt) + extra)
-    kv.commit(prompt[kv.history_length:])
-    kv.commit_pending_stats()
-    if close:
-        kv.close()
-    return kv
 
 
 # ---- section 2: API names, signatures, defaults, types -----------------------------------------------------
@@ -217,7 +205,7 @@ def test_example_4_literal(partial, expected):
 def test_example_4_counts_then_first_resume_copies_the_partial_block():
     mgr = spec_manager()
     prompt = list(range(12))
-    run(mgr, "a", prompt, resume=False)
+    run_prompt(mgr, "a", prompt, resume=False)
     mgr.get_iteration_stats()
     kv = mgr.create_kv_cache("b", prompt[:10])
     assert kv.num_reused_tokens == 9
@@ -236,7 +224,7 @@ def test_example_4_counts_then_first_resume_copies_the_partial_block():
 def test_partial_copy_made_by_an_implicit_resume_in_resize_counts_the_same():
     mgr = spec_manager()
     prompt = list(range(12))
-    run(mgr, "a", prompt, resume=False)
+    run_prompt(mgr, "a", prompt, resume=False)
     mgr.get_iteration_stats()
     kv = mgr.create_kv_cache("b", prompt[:10])
     assert kv.resize(10)
@@ -251,7 +239,7 @@ def test_partial_copy_made_by_an_implicit_resume_in_resize_counts_the_same():
 def test_match_is_limited_to_all_but_the_last_prompt_token(partial, expected):
     mgr = spec_manager(enable_partial_reuse=partial)
     prompt = list(range(8))
-    run(mgr, "a", prompt)
+    run_prompt(mgr, "a", prompt)
     kv = mgr.create_kv_cache("b", prompt)
     assert kv.num_reused_tokens == expected
     assert mgr.create_kv_cache("c", [0]).num_reused_tokens == 0
@@ -259,17 +247,17 @@ def test_match_is_limited_to_all_but_the_last_prompt_token(partial, expected):
 
 def test_trailing_partial_block_is_published_on_close():
     mgr = spec_manager()
-    run(mgr, "a", list(range(6)))
+    run_prompt(mgr, "a", list(range(6)))
     assert mgr.create_kv_cache("b", list(range(6)) + [99]).num_reused_tokens == 6
     off = spec_manager(enable_partial_reuse=False)
-    run(off, "a", list(range(6)))
+    run_prompt(off, "a", list(range(6)))
     assert off.create_kv_cache("b", list(range(6)) + [99]).num_reused_tokens == 4
 
 
 def test_cache_salt_never_shares_blocks():
     mgr = spec_manager()
     prompt = list(range(8))
-    run(mgr, "a", prompt, salt="x")
+    run_prompt(mgr, "a", prompt, salt="x")
     assert mgr.create_kv_cache("b", prompt + [1], cache_salt="y").num_reused_tokens == 0
     assert mgr.create_kv_cache("c", prompt + [1]).num_reused_tokens == 0
     assert mgr.create_kv_cache("d", prompt + [1], cache_salt="x").num_reused_tokens == 8
@@ -319,7 +307,7 @@ def test_shrink_rolls_back_newest_segment_first():
 def test_excluded_request_touches_no_statistic_even_through_reuse_and_copies():
     mgr = spec_manager()
     prompt = list(range(12))
-    run(mgr, "a", prompt)
+    run_prompt(mgr, "a", prompt)
     mgr.get_iteration_stats()
     before = mgr.get_kv_cache_stats().to_dict()
     kv = mgr.create_kv_cache("w", prompt[:10], exclude_from_stats=True)
@@ -363,8 +351,8 @@ def test_failed_resize_that_needs_an_onboard_changes_nothing():
     """A resize of a suspended/fresh cache must not do half its work: no onboard, no offload, no stat."""
     mgr = tiny_mgr([(None, 0, 1)], primary_slots=2, host_slots=4)
     a = list(range(8))
-    run(mgr, "a", a)
-    run(mgr, "c", list(range(50, 58)))  # a's two blocks go to the host tier
+    run_prompt(mgr, "a", a)
+    run_prompt(mgr, "c", list(range(50, 58)))  # a's two blocks go to the host tier
     mgr.get_iteration_stats()
     before = mgr.get_kv_cache_stats()
     kv = mgr.create_kv_cache("b", a + [9])
@@ -379,7 +367,7 @@ def test_failed_resize_that_needs_an_onboard_changes_nothing():
 def test_failed_resume_changes_nothing():
     mgr = spec_manager()
     prompt = list(range(12))
-    run(mgr, "a", prompt)
+    run_prompt(mgr, "a", prompt)
     hog = mgr.create_kv_cache("hog", list(range(100, 104)))
     assert hog.resize(4)  # the one free slot
     hog.commit_pending_stats()
@@ -412,7 +400,7 @@ def test_two_life_cycles_copy_the_partial_block_twice():
     mgr = tiny_mgr([(None, 0, 1), (32, 0, 2)], primary_slots=8)  # two life cycles, two pool groups
     slot0, slot1 = 2 * 4 * 16, 2 * 4 * 32
     prompt = list(range(12))
-    run(mgr, "a", prompt)
+    run_prompt(mgr, "a", prompt)
     mgr.get_iteration_stats()
     kv = mgr.create_kv_cache("b", prompt[:10])
     assert kv.num_reused_tokens == 9 and kv.resume()
@@ -445,7 +433,7 @@ def test_sliding_window_reuse_counts_only_non_stale_blocks_and_sinks():
     w, sinks = 8, 4
     mgr = tiny_mgr([(w, sinks, 1)], primary_slots=16)
     prompt = list(range(32))
-    run(mgr, "a", prompt)
+    run_prompt(mgr, "a", prompt)
     mgr.get_iteration_stats()
     kv = mgr.create_kv_cache("b", prompt + [99])
     assert kv.num_reused_tokens == 32
@@ -483,7 +471,7 @@ def test_offload_onboard_and_host_drop_records():
     # each new request evicts the previous one's 2 published blocks to the 4-slot host tier; the third
     # eviction finds the host tier full of evictable blocks and drops its 2 LRU ones (a's)
     for i, rid in enumerate("cde"):
-        run(mgr, rid, list(range(60 + 10 * i, 68 + 10 * i)))
+        run_prompt(mgr, rid, list(range(60 + 10 * i, 68 + 10 * i)))
     b = bucket(mgr, "64")
     assert (b["iterOffloadBlocks"], b["iterOffloadBytes"]) == (6, 6 * slot)
     assert (b["iterHostDroppedBlocks"], b["iterHostDroppedBytes"]) == (2, 2 * slot)
@@ -493,7 +481,7 @@ def test_offload_onboard_and_host_drop_records():
 def test_alloc_new_equals_alloc_total_everywhere():
     mgr = tiny_mgr([(None, 0, 1)], primary_slots=2, host_slots=2)
     for i in range(4):
-        run(mgr, f"r{i}", [i * 10 + j for j in range(8)])
+        run_prompt(mgr, f"r{i}", [i * 10 + j for j in range(8)])
     kv = mgr.create_kv_cache("x", list(range(8)) + [5])
     kv.resume()
     kv.commit_pending_stats()
@@ -523,7 +511,7 @@ def test_gauges_free_includes_evictable():
 
 def test_peak_used_is_sampled_when_a_reuse_match_takes_evictable_blocks():
     mgr = spec_manager()
-    run(mgr, "a", list(range(8)))  # 2 evictable blocks, 0 used
+    run_prompt(mgr, "a", list(range(8)))  # 2 evictable blocks, 0 used
     mgr.get_iteration_stats()
     mgr.get_iteration_stats()  # peaks re-seeded: used 0
     kv = mgr.create_kv_cache("b", list(range(8)) + [9])  # holds both blocks: used 2
@@ -552,7 +540,7 @@ def test_peaks_sampled_at_commit_and_reseeded_at_drain():
 
 def test_hit_rate_rule():
     mgr = spec_manager()
-    run(mgr, "a", list(range(8)))
+    run_prompt(mgr, "a", list(range(8)))
     kv = mgr.create_kv_cache("b", list(range(8)) + [1, 2, 3, 4, 5])
     assert kv.num_reused_tokens == 8 and kv.resize(13)
     kv.commit([1, 2, 3, 4, 5])
@@ -632,7 +620,7 @@ def test_report_ids_answer_to_int_keys_before_serialisation():
 
 def test_drain_resets_the_deltas():
     mgr = spec_manager()
-    run(mgr, "a", list(range(8)))
+    run_prompt(mgr, "a", list(range(8)))
     assert nz(bucket(mgr))
     assert nz(bucket(mgr)) == {}
 
