@@ -213,11 +213,10 @@ class RankWorker:
         Preemption suspends a victim when the rank has a host tier (its blocks may then be offloaded), and
         closes it for recompute when suspending cannot help (no host tier, or still no room once every
         lower-priority request is suspended)."""
+        for req in self.reqs.values():  # unscheduled requests are the first victims
+            req.prio = len(order)
         for i, w in enumerate(order):
             self.reqs[w.request_id].prio = i
-        for req in self.reqs.values():
-            if all(req.id != w.request_id for w in order):
-                req.prio = len(order)
         pool = sorted((r for r in self.reqs.values() if r.kv is not None), key=lambda r: r.prio)
         host = self.spec.host_cache_bytes > 0
         runs, deferred, recomputed, suspended, parked = [], [], [], [], []
