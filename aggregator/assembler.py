@@ -25,20 +25,11 @@ from datetime import UTC, datetime
 from operator import itemgetter
 from typing import Any
 
-from .layout import Flat, LayoutError, flatten
-from .merge import (
-    KV_STATS_COUNTERS,
-    KV_STATS_GAUGES,
-    VIEWS,
-    ClusterCumulative,
-    add_counters,
-    finish_hit_rates,
-    merge_iteration,
-    sort_views,
-)
+from .layout import Flat, LayoutError, flat_of, packed
+from .merge import KV_STATS_COUNTERS, KV_STATS_GAUGES, VIEWS, ClusterCumulative, merge_iteration
 
 REQUIRED = {"engine_id": str, "rank": int, "dp_rank": int, "tp_rank": int, "incarnation": str,
-            "iteration": int, "seq": int, "report": dict}
+            "iteration": int, "seq": int}
 
 
 class MessageError(ValueError):
@@ -55,30 +46,28 @@ _ZEROS = (0,) * len(_KV_NUMBERS)
 
 
 def validate_message(m: Any, engine_id: str, world_size: int, tp: int) -> None:
-    """Raise MessageError saying what is wrong with rank message `m`.
+    """Raise MessageError saying what is wrong with rank message `m` (either form: layout.py). Its rows are
+    checked against its layout when it is read (`flat_of`).
 
-    The usual message (exact types, no `iterations`) passes one straight-line check; anything else takes
-    the field-by-field path, which names the first problem."""
+    The usual message (packed, exact types, no `iterations`) passes one straight-line check; anything else
+    takes the field-by-field path, which names the first problem."""
     if type(m) is dict:
         try:
-            eng, r, dp, tpr, inc, it, seq, rep = _REQUIRED_GET(m)
+            eng, r, dp, tpr, inc, it, seq = _REQUIRED_GET(m)
         except KeyError:
             pass
         else:
             kvs = m.get("kv_cache_stats")
             if (type(eng) is str and type(r) is int and type(dp) is int and type(tpr) is int and type(inc) is str
-                    and type(it) is int and type(seq) is int and isinstance(rep, dict) and eng == engine_id
+                    and type(it) is int and type(seq) is int and eng == engine_id
                     and 0 <= r < world_size and dp == r // tp and tpr == r % tp and it >= 0 and seq >= 0
-                    and "iterations" not in m and isinstance(rep.get(VIEWS[0], _EMPTY), dict)
-                    and isinstance(rep.get(VIEWS[1], _EMPTY), dict) and isinstance(rep.get(VIEWS[2], _EMPTY), dict)
-                    and (kvs is None or isinstance(kvs, dict))):
+                    and "iterations" not in m and "report" not in m and type(m.get("layout")) is str
+                    and type(m.get("counters")) is bytes and type(m.get("gauges")) is bytes
+                    and (kvs is None or type(kvs) is dict)):
                 _check_kv_stats(kvs)
                 return
     _validate_fields(m, engine_id, world_size, tp)
     _check_kv_stats(m.get("kv_cache_stats"))
-
-
-_EMPTY: dict = {}
 
 
 def _check_kv_stats(kvs: dict[str, Any] | None) -> None:
@@ -113,9 +102,18 @@ def _validate_fields(m: Any, engine_id: str, world_size: int, tp: int) -> None:
         not isinstance(its, list | tuple) or len(its) != 2 or not its[0] <= its[1] == m["iteration"]
     ):
         raise MessageError("'iterations' must be [first, last] with last == iteration")
-    for view in VIEWS:
-        if not isinstance(m["report"].get(view, {}), dict):
-            raise MessageError(f"report[{view!r}] must be a dict")
+    if "report" in m or "layout" not in m:
+        if "layout" in m:
+            raise MessageError("a message carries either 'report' or 'layout', 'counters' and 'gauges', not both")
+        if not isinstance(m.get("report"), dict):
+            raise MessageError("message lacks 'report'" if "report" not in m else "'report' must be a dict")
+        for view in VIEWS:
+            if not isinstance(m["report"].get(view, {}), dict):
+                raise MessageError(f"report[{view!r}] must be a dict")
+    else:
+        for k, t in (("layout", str), ("counters", bytes), ("gauges", bytes)):
+            if type(m.get(k)) is not t:
+                raise MessageError(f"packed message needs {k!r} ({t.__name__})")
     if m.get("kv_cache_stats") is not None and not isinstance(m["kv_cache_stats"], dict):
         raise MessageError("'kv_cache_stats' must be a dict")
 
@@ -125,7 +123,7 @@ class _Pending:
     first_seen: float
     reported: set[int] = field(default_factory=set)
     messages: list[dict[str, Any]] = field(default_factory=list)
-    flats: list[Flat] = field(default_factory=list)  # messages[i]'s report as rows (flattened at ingest)
+    flats: list[Flat] = field(default_factory=list)  # messages[i] as rows (read at ingest)
 
 
 @dataclass
@@ -158,7 +156,9 @@ class _Seen:
         return seq <= self.low or seq in self.above
 
     def add(self, seq: int) -> None:
-        if seq > self.low:
+        if seq == self.low + 1 and not self.above:  # the usual case: the next seq in order
+            self.low = seq
+        elif seq > self.low:
             self.above.add(seq)
             if len(self.above) > self.compact_after:
                 self.low = min(self.above) - 1
@@ -192,7 +192,7 @@ class IterationAssembler:
         self.cumulative = cumulative or ClusterCumulative()
         self.pending: dict[int, _Pending] = {}
         self._order: list[int] = []  # sorted pending iteration numbers
-        self.late: list[dict[str, Any]] = []
+        self.late: list[tuple[dict[str, Any], Flat]] = []  # late deltas and their rows, for the next record
         self._seen: OrderedDict[str, _Seen] = OrderedDict()
         self._unemitted: dict[tuple[str, int], int] = {}  # (inc, seq) -> iteration its counters wait for
         self._ack_ready: dict[str, list[int]] = {}
@@ -204,67 +204,69 @@ class IterationAssembler:
     # ------------------------------------------------------------------ ingest
 
     def ingest(self, messages: list[dict[str, Any]], poll: tuple[str, ...] | list[str] = ()) -> IngestResult:
-        """Take messages; `poll` names incarnations that only ask for their acks (an idle rank's outbox)."""
+        """Take messages; `poll` names incarnations that only ask for their acks (an idle rank's outbox).
+        The per-message path is the aggregator's hot loop: kept flat on purpose."""
         res = IngestResult()
         incs: set[str] = set(poll)
+        now, wall = self.clock(), self.wall()
+        engine_id, world_size, tp, counts = self.engine_id, self.world_size, self.tp, self.counts
         for idx, m in enumerate(messages):
             try:
-                validate_message(m, self.engine_id, self.world_size, self.tp)
-            except MessageError as e:
-                self.counts["rejected"] += 1
+                validate_message(m, engine_id, world_size, tp)
+                inc, seq = m["incarnation"], m["seq"]
+                seen = self._seen.get(inc)
+                if seen is not None and seen.has(seq):
+                    counts["duplicates"] += 1
+                    res.duplicates += 1
+                    incs.add(inc)
+                    if (inc, seq) not in self._unemitted:
+                        res.acked.append((inc, seq))
+                    continue
+                if "report" in m:
+                    m = packed(m)
+                flat = flat_of(m)
+            except (MessageError, LayoutError) as e:  # not marked seen: a corrected re-send is taken
+                counts["rejected"] += 1
                 res.rejected.append({"index": idx, "error": str(e)})
                 continue
-            inc, seq = m["incarnation"], m["seq"]
             incs.add(inc)
-            seen = self._seen.get(inc)
             if seen is None:
                 seen = self._seen[inc] = _Seen()
-                if len(self._seen) > 8 * self.world_size:
+                if len(self._seen) > 8 * world_size:
                     old, _ = self._seen.popitem(last=False)
                     self._ack_ready.pop(old, None)
-            if seen.has(seq):
-                self.counts["duplicates"] += 1
-                res.duplicates += 1
-                if (inc, seq) not in self._unemitted:
-                    res.acked.append((inc, seq))
-                continue
-            try:
-                flat = flatten(m["report"], m["tp_rank"])
-            except LayoutError as e:  # not marked seen: a corrected re-send is taken
-                self.counts["rejected"] += 1
-                res.rejected.append({"index": idx, "error": str(e)})
-                continue
             seen.add(seq)
-            for s in m.get("merged_seqs", ()):
-                seen.add(s)
-            self.counts["messages"] += 1
-            self._accept(m, flat)
+            if "merged_seqs" in m:
+                for s in m["merged_seqs"]:
+                    seen.add(s)
+            counts["messages"] += 1
+            self._accept(m, flat, now, wall)
         for inc in incs:
             ready = self._ack_ready.pop(inc, None)
             if ready:
                 res.acked.extend((inc, s) for s in ready)
         return res
 
-    def _accept(self, m: dict[str, Any], flat: Flat) -> None:
+    def _accept(self, m: dict[str, Any], flat: Flat, now: float, wall: float) -> None:
         rank, it = m["rank"], m["iteration"]
         prev = self.latest.get(rank)
         if prev is None or m.get("timestamp", 0) >= prev.get("timestamp", 0):
             self.latest[rank] = m
-        self.last_seen[rank] = self.wall()
+        self.last_seen[rank] = wall
         self.cumulative.update(m)
-        now = self.clock()
-        first = m.get("iterations", (it, it))[0]
-        for j in range(max(first, self.last_emitted + 1), it):
-            self._pending_at(j, now).reported.add(rank)
+        if "iterations" in m:
+            for j in range(max(m["iterations"][0], self.last_emitted + 1), it):
+                self._pending_at(j, now).reported.add(rank)
+        key = (m["incarnation"], m["seq"])
         if it <= self.last_emitted:
-            self.late.append(m)
-            self._unemitted[(m["incarnation"], m["seq"])] = -1
+            self.late.append((m, flat))
+            self._unemitted[key] = -1
             return
-        p = self._pending_at(it, now)
+        p = self.pending.get(it) or self._pending_at(it, now)
         p.reported.add(rank)
         p.messages.append(m)
         p.flats.append(flat)
-        self._unemitted[(m["incarnation"], m["seq"])] = it
+        self._unemitted[key] = it
 
     def _pending_at(self, it: int, now: float) -> _Pending:
         p = self.pending.get(it)
@@ -276,7 +278,7 @@ class IterationAssembler:
     # ------------------------------------------------------------------ restart
 
     def checkpoint(self) -> dict[str, Any]:
-        """What a restarted aggregator needs to count every message exactly once (JSON-able)."""
+        """What a restarted aggregator needs to count every message exactly once (picklable; pickle it at once)."""
         holes: dict[str, list[int]] = {}
         for inc, seq in self._unemitted:
             holes.setdefault(inc, []).append(seq)
@@ -324,14 +326,9 @@ class IterationAssembler:
         return out
 
     def _emit(self, it: int, p: _Pending) -> dict[str, Any]:
-        merged = merge_iteration(p.messages, p.flats)
-        late, self.late = self.late, []
-        if late:
-            views = {v: merged.views[v] for v in VIEWS}
-            for m in late:
-                add_counters(views, m["report"], m["tp_rank"])
-            finish_hit_rates(views)
-            merged.views = sort_views(views)
+        late_pairs, self.late = self.late, []
+        merged = merge_iteration(p.messages, p.flats, late=[fl for _, fl in late_pairs])
+        late = [m for m, _ in late_pairs]
         missing = [r for r in range(self.world_size) if r not in p.reported]
         self.last_emitted = it
         self.counts["records"] += 1

@@ -1,128 +1,227 @@
-"""Report key layouts: a rank report flattened once into fixed-order number rows, so merging an iteration
-is a C-speed column sum instead of per-bucket dict work.
+"""Rank reports as number rows: the wire form of a rank message, and the rows the merge sums.
 
-A layout is the ordered key set of a report's three views (window keys, pool group ids, life-cycle ids),
-identical across the messages of a healthy cluster, so it is built once and cached under that key tuple
-(its signature). For each layout it holds three plans, each a list of (bucket, fields) pairs and the
-(view, key, field) slot every number of a row belongs to:
-- `tp0`: every counter of every bucket (a tp rank 0 message: block counters and bytes);
-- `tpn`: the byte counters of the window and pool views (other tp ranks move their own shards only);
-- `gauges`: gauges and peaks of the window and pool views (the reference rank of a dp group).
-A bucket lacking a field counts it as 0 (the dict merge's rule); a bucket that is not a dict, or a value
-that is not a number, raises `LayoutError` when the row is built, so a rank message is rejected at ingest.
+A report's *layout* is everything in it that is not a number: its three views' keys and each bucket's
+static fields (pool group id, slot size, window sizes; life-cycle id, pool group, window size, kind). It is
+the same on every message of a rank, so a rank sends it as one short JSON string next to two number rows:
+- `counters`: every counter of every bucket (window buckets 15, pool-group buckets 11, life-cycle buckets 4),
+- `gauges`: the gauges and peaks of the window and pool-group buckets (14 each),
+in the layout's slot order, each as little-endian int64 bytes. This *packed* message holds exactly the
+report's information (`unpack` gives the views back, hit rates recomputed). Nested report dicts cost the
+aggregator ~22 us per message just to unpickle and keep (one object per bucket and per number, and the
+garbage collector walking them); a packed one ~6 us, because bytes are one untracked object
+(bench/aggregator_bench.py compares both through the actor).
+
+The aggregator parses each distinct layout string once (cached), reads a message as a `Flat` (its layout and
+its rows) and merges an iteration as a C-speed column sum of the rows of each layout. Each layout holds three
+slot plans: `tp0` (every counter: a tp rank 0 message), `tpn` (byte counters of the window and pool-group
+views: other tp ranks move only their own shards) and `gauges`. A message in the dict form (`report`, as
+DESIGN.md names it) is packed on arrival; a bucket that is not a dict or a value that is not a number raises
+`LayoutError`, so the message is rejected at ingest with the reason.
 """
 
 from __future__ import annotations
 
+import json
+import sys
+from array import array
 from operator import itemgetter
 from typing import Any
 
-from .fields import BYTE_FIELDS, GAUGE_FIELDS, PEAK_FIELDS, POOL_VIEW, VIEW_COUNTERS, VIEWS, WINDOW_VIEW
+from .fields import (
+    BYTE_FIELDS,
+    GAUGE_FIELDS,
+    HIT_RATE_FIELD,
+    PEAK_FIELDS,
+    POOL_VIEW,
+    STATIC_FIELDS,
+    VIEW_COUNTERS,
+    VIEW_HAS_GAUGES,
+    VIEW_HAS_HIT_RATE,
+    VIEWS,
+    WINDOW_VIEW,
+    hit_rate,
+)
 
 KINDS = ("tp0", "tpn", "gauges")
-_KIND_FIELDS = {
-    "tp0": {view: VIEW_COUNTERS[view] for view in VIEWS},
-    "tpn": {WINDOW_VIEW: tuple(f for f in VIEW_COUNTERS[WINDOW_VIEW] if f in BYTE_FIELDS),
-            POOL_VIEW: tuple(f for f in VIEW_COUNTERS[POOL_VIEW] if f in BYTE_FIELDS)},
-    "gauges": {WINDOW_VIEW: GAUGE_FIELDS + PEAK_FIELDS, POOL_VIEW: GAUGE_FIELDS + PEAK_FIELDS},
-}
-# the views whose buckets a message of each kind creates in a merged record (life-cycle buckets carry no
-# byte counters, so a tp rank > 0 alone never creates one: the dict merge's rule)
-KIND_VIEWS = {kind: tuple(v for v in VIEWS if v in fields) for kind, fields in _KIND_FIELDS.items()}
-_GETTERS = {fs: itemgetter(*fs) for per_view in _KIND_FIELDS.values() for fs in per_view.values()}
+GAUGES_AND_PEAKS = GAUGE_FIELDS + PEAK_FIELDS
+GAUGE_VIEWS = (WINDOW_VIEW, POOL_VIEW)
+# the views whose buckets a row of each kind lands in (life-cycle buckets carry no bytes, so a tp rank > 0
+# alone never creates one)
+KIND_VIEWS = {"tp0": VIEWS, "tpn": GAUGE_VIEWS, "gauges": GAUGE_VIEWS}
+# static fields a layout keeps per bucket (the pool-group view also lists its window sizes)
+LAYOUT_FIELDS = {**STATIC_FIELDS, POOL_VIEW: STATIC_FIELDS[POOL_VIEW] + ("windowSizes",)}
+PACKED_FIELDS = ("layout", "counters", "gauges")
 MAX_CACHED = 256
+_GETTERS = {fs: itemgetter(*fs) for fs in (*VIEW_COUNTERS.values(), GAUGES_AND_PEAKS)}
 
 
 class LayoutError(ValueError):
-    """A report whose buckets cannot be read as numbers."""
+    """A report or packed message whose buckets cannot be read as numbers."""
+
+
+def _picker(idx: list[int]):
+    """itemgetter that always returns a tuple (also for zero or one index)."""
+    if len(idx) > 1:
+        return itemgetter(*idx)
+    if idx:
+        i = idx[0]
+        return lambda row: (row[i],)
+    return lambda row: ()
 
 
 class Layout:
-    """The flattening plans of one report key layout (see the module docstring)."""
+    """One report layout: its keys and static fields per view, and the (view, key, field) of every row slot."""
 
-    __slots__ = ("signature", "keys", "plans", "slots")
+    __slots__ = ("key", "statics", "slots", "n_counters", "n_gauges", "tpn", "blocks")
 
-    def __init__(self, signature: tuple[tuple[str, ...], ...]) -> None:
-        self.signature = signature
-        self.keys = dict(zip(VIEWS, signature, strict=True))
-        self.plans: dict[str, tuple[tuple[int, str, Any, tuple[str, ...]], ...]] = {}
-        self.slots: dict[str, tuple[tuple[str, str, str], ...]] = {}
-        for kind, per_view in _KIND_FIELDS.items():
-            plan, slots = [], []
-            for vi, view in enumerate(VIEWS):
-                fields_ = per_view.get(view)
-                if not fields_:
-                    continue
-                for key in self.keys[view]:
-                    plan.append((vi, key, _GETTERS[fields_], fields_))
-                    slots.extend((view, key, f) for f in fields_)
-            self.plans[kind], self.slots[kind] = tuple(plan), tuple(slots)
+    def __init__(self, key: str) -> None:
+        try:
+            skeleton = json.loads(key)
+        except ValueError as e:
+            raise LayoutError(f"layout is not JSON: {e}") from None
+        if not (isinstance(skeleton, list) and len(skeleton) == len(VIEWS)
+                and all(isinstance(v, dict) and all(isinstance(b, dict) for b in v.values()) for v in skeleton)):
+            raise LayoutError("layout must be a list of 3 views, each {key: {static fields}}")
+        self.key = key
+        self.statics: dict[str, dict[str, dict[str, Any]]] = dict(zip(VIEWS, skeleton, strict=True))
+        counters = [(v, k, f) for v in VIEWS for k in self.statics[v] for f in VIEW_COUNTERS[v]]
+        gauges = [(v, k, f) for v in GAUGE_VIEWS for k in self.statics[v] for f in GAUGES_AND_PEAKS]
+        tpn = [i for i, (_, _, f) in enumerate(counters) if f in BYTE_FIELDS]
+        self.slots = {"tp0": tuple(counters), "tpn": tuple(counters[i] for i in tpn), "gauges": tuple(gauges)}
+        self.n_counters, self.n_gauges = len(counters), len(gauges)
+        self.tpn = _picker(tpn)  # counters row -> the tpn row
+        # counters row -> its block counters (what tp ranks of one dp group must agree on, with the gauges)
+        self.blocks = _picker([i for i, (_, _, f) in enumerate(counters) if f not in BYTE_FIELDS])
 
-    def row(self, report: dict[str, Any], kind: str) -> list:
-        """The numbers of `report` this plan reads, in slot order."""
-        vds = (report.get(VIEWS[0]) or {}, report.get(VIEWS[1]) or {}, report.get(VIEWS[2]) or {})
-        out: list = []
-        ext = out.extend
-        for vi, key, get, fields_ in self.plans[kind]:
-            src = vds[vi][key]
-            try:
-                ext(get(src))
-            except KeyError:  # a bucket without some field: counts as 0
-                ext([src.get(f, 0) for f in fields_])
-            except TypeError:
-                raise LayoutError(
-                    f"report[{VIEWS[vi]!r}][{key!r}] must be a dict, got {type(src).__name__}") from None
-        return out
-
-
-_cache: dict[tuple, Layout] = {}
-
-
-def signature(report: dict[str, Any]) -> tuple[tuple[str, ...], ...]:
-    return (tuple(report.get(VIEWS[0]) or ()), tuple(report.get(VIEWS[1]) or ()),
-            tuple(report.get(VIEWS[2]) or ()))
+    def unpack(self, counters: list, gauges: list) -> dict[str, dict[str, dict[str, Any]]]:
+        """The three report views of a packed message (fields in the order of a cluster record's buckets)."""
+        views: dict[str, dict[str, dict[str, Any]]] = {}
+        ci = gi = 0
+        for view in VIEWS:
+            out = views[view] = {}
+            nc = len(VIEW_COUNTERS[view])
+            for key, static in self.statics[view].items():
+                b = dict(static)
+                b.update(zip(VIEW_COUNTERS[view], counters[ci:ci + nc], strict=True))
+                ci += nc
+                if VIEW_HAS_GAUGES[view]:
+                    b.update(zip(GAUGES_AND_PEAKS, gauges[gi:gi + len(GAUGES_AND_PEAKS)], strict=True))
+                    gi += len(GAUGES_AND_PEAKS)
+                if VIEW_HAS_HIT_RATE[view]:
+                    b[HIT_RATE_FIELD] = hit_rate(b["iterReusedBlocks"], b["iterMissedBlocks"])
+                out[key] = b
+        return views
 
 
-def layout_of(report: dict[str, Any]) -> Layout:
-    """The cached layout of `report`'s keys (built on first sight of a new key set)."""
-    sig = signature(report)
-    lay = _cache.get(sig)
+_cache: dict[str, Layout] = {}
+
+
+def layout_for(key: str) -> Layout:
+    """The cached layout of a layout string (parsed on first sight)."""
+    lay = _cache.get(key)
     if lay is None:
-        if len(_cache) >= MAX_CACHED:  # a churning key set: start over rather than grow without bound
+        if not isinstance(key, str):
+            raise LayoutError(f"layout must be a str, got {type(key).__name__}")
+        lay = Layout(key)
+        if len(_cache) >= MAX_CACHED:  # a churning layout: start over rather than grow without bound
             _cache.clear()
-        lay = _cache[sig] = Layout(sig)
+        _cache[key] = lay
     return lay
 
 
+_SWAP = sys.byteorder != "little"
+
+
+def to_row(values: list, what: str = "numbers") -> bytes:
+    """Integers as a row (little-endian int64 bytes); LayoutError naming the first value that is not one."""
+    try:
+        a = array("q", values)
+    except (TypeError, OverflowError):
+        bad = next(v for v in values if type(v) is not int or not -2**63 <= v < 2**63)
+        raise LayoutError(f"report {what} must be integers, got {type(bad).__name__} {bad!r}") from None
+    if _SWAP:
+        a.byteswap()
+    return a.tobytes()
+
+
+def from_row(row: bytes) -> array:
+    """A row's integers (an int64 array: sums and slices at C speed)."""
+    a = array("q", row)
+    if _SWAP:
+        a.byteswap()
+    return a
+
+
+def pack(report: dict[str, Any]) -> tuple[str, bytes, bytes]:
+    """A report's (layout string, counters row, gauges row). A bucket lacking a field counts it as 0."""
+    skeleton, counters, gauges = [], [], []
+    for view in VIEWS:
+        src = report.get(view) or {}
+        if not isinstance(src, dict):
+            raise LayoutError(f"report[{view!r}] must be a dict, got {type(src).__name__}")
+        sk = {}
+        get, fields_ = _GETTERS[VIEW_COUNTERS[view]], VIEW_COUNTERS[view]
+        for key, b in src.items():
+            if not isinstance(b, dict):
+                raise LayoutError(f"report[{view!r}][{key!r}] must be a dict, got {type(b).__name__}")
+            if not isinstance(key, str):
+                raise LayoutError(f"report[{view!r}] keys must be strings, got {key!r}")
+            sk[key] = {f: b[f] for f in LAYOUT_FIELDS[view] if f in b}
+            try:
+                counters.extend(get(b))
+            except KeyError:
+                counters.extend(b.get(f, 0) for f in fields_)
+            if VIEW_HAS_GAUGES[view]:
+                try:
+                    gauges.extend(_GETTERS[GAUGES_AND_PEAKS](b))
+                except KeyError:
+                    gauges.extend(b.get(f, 0) for f in GAUGES_AND_PEAKS)
+        skeleton.append(sk)
+    try:
+        key = json.dumps(skeleton, separators=(",", ":"))
+    except (TypeError, ValueError) as e:
+        raise LayoutError(f"report static fields must be JSON values: {e}") from None
+    # the cached layout's own string: the messages of one batch then share one object, pickled once
+    return layout_for(key).key, to_row(counters, "counters"), to_row(gauges, "gauges")
+
+
+def packed(message: dict[str, Any]) -> dict[str, Any]:
+    """`message` in the packed form (itself when it already is)."""
+    if "report" not in message:
+        return message
+    key, counters, gauges = pack(message["report"])
+    out = {k: v for k, v in message.items() if k != "report"}
+    out.update(layout=key, counters=counters, gauges=gauges)
+    return out
+
+
+def report_of(message: dict[str, Any]) -> dict[str, Any]:
+    """The report views of a message in either form."""
+    if "report" in message:
+        return message["report"]
+    lay = layout_for(message["layout"])
+    return lay.unpack(from_row(message["counters"]), from_row(message["gauges"]))
+
+
 class Flat:
-    """One rank message's report, flattened once at ingest: its layout, its counter row (`tp0` or `tpn`
-    plan, by the message's tp rank) and its gauge row (used when it is its dp group's reference)."""
+    """One packed message as the merge reads it: its layout, its counter row by tp rank (the `tp0` or `tpn`
+    plan) and its gauge row (used when it is its dp group's reference)."""
 
     __slots__ = ("layout", "kind", "counters", "gauges")
 
-    def __init__(self, layout: Layout, kind: str, counters: list, gauges: list) -> None:
+    def __init__(self, layout: Layout, kind: str, counters: array | tuple, gauges: array) -> None:
         self.layout, self.kind, self.counters, self.gauges = layout, kind, counters, gauges
 
 
-def _numbers(row: list, what: str) -> list:
-    try:
-        sum(row)  # C speed; fails on str/None/containers
-    except TypeError:
-        bad = next(v for v in row if not isinstance(v, int | float))
-        raise LayoutError(f"report {what} must be numbers, got {type(bad).__name__} {bad!r}") from None
-    return row
+def flat_of(message: dict[str, Any]) -> Flat:
+    """A packed message's Flat; LayoutError unless its rows fit its layout."""
+    lay = layout_for(message["layout"])
+    c, g = message["counters"], message["gauges"]
+    if len(c) != 8 * lay.n_counters or len(g) != 8 * lay.n_gauges:
+        raise LayoutError(f"layout has {lay.n_counters} counters and {lay.n_gauges} gauges, message rows "
+                          f"{len(c)} and {len(g)} bytes (8 per number)")
+    counters, gauges = from_row(c), from_row(g)
+    if message["tp_rank"] == 0:
+        return Flat(lay, "tp0", counters, gauges)
+    return Flat(lay, "tpn", lay.tpn(counters), gauges)
 
-
-def flatten(report: dict[str, Any], tp_rank: int, check: bool = True) -> Flat:
-    """`report` as rows; with `check`, LayoutError unless every bucket is a dict and every number a number."""
-    lay = layout_of(report)
-    kind = "tp0" if tp_rank == 0 else "tpn"
-    counters, gauges = lay.row(report, kind), lay.row(report, "gauges")
-    if check:
-        _numbers(counters, "counters")
-        _numbers(gauges, "gauges")
-        if kind == "tpn":  # the tpn plan reads no life-cycle bucket: check their shape here
-            for key, b in (report.get(VIEWS[2]) or {}).items():
-                if not isinstance(b, dict):
-                    raise LayoutError(f"report[{VIEWS[2]!r}][{key!r}] must be a dict, got {type(b).__name__}")
-    return Flat(lay, kind, counters, gauges)

@@ -20,8 +20,8 @@ DESIGN.md 'Merging into a cluster record', made concrete:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from operator import itemgetter
+from dataclasses import dataclass, field, fields
+from operator import add, attrgetter, itemgetter, sub
 from typing import Any
 
 from .fields import (  # noqa: F401  (re-exported: the merge rules' vocabulary)
@@ -46,7 +46,7 @@ from .fields import (  # noqa: F401  (re-exported: the merge rules' vocabulary)
     WINDOW_VIEW,
     hit_rate,
 )
-from .layout import KIND_VIEWS, Flat, Layout, flatten
+from .layout import GAUGES_AND_PEAKS, KIND_VIEWS, Flat, Layout, flat_of, from_row, packed, report_of
 
 
 def empty_bucket(view: str) -> dict[str, Any]:
@@ -67,51 +67,6 @@ def _new_bucket(view: str, src: dict[str, Any]) -> dict[str, Any]:
     if view == POOL_VIEW:
         b["windowSizes"] = sorted(src.get("windowSizes", ()))
     return b
-
-
-def add_counters(views: dict[str, dict[str, dict]], report: dict[str, Any], tp_rank: int) -> None:
-    """Add one rank's counters into `views` in place: block counters only when `tp_rank == 0`, bytes always.
-
-    This is the whole 'counted once' rule, shared by the on-time merge and the folding of late deltas.
-    """
-    fields_for = COUNTER_FIELDS if tp_rank == 0 else BYTE_FIELDS
-    for view in VIEWS:
-        src_view = report.get(view)
-        if not src_view:
-            continue
-        dst_view = views[view]
-        allowed = VIEW_COUNTERS[view]
-        for key, src in src_view.items():
-            dst = dst_view.get(key)
-            if dst is None:
-                dst = dst_view[key] = _new_bucket(view, src)
-            elif view == POOL_VIEW and src.get("windowSizes"):
-                ws = dst["windowSizes"]
-                for w in src["windowSizes"]:
-                    if w not in ws:
-                        ws.append(w)
-                        ws.sort()
-            for f in fields_for:
-                v = src.get(f)
-                if v and f in allowed:
-                    dst[f] += v
-
-
-def _add_gauges(views: dict[str, dict[str, dict]], report: dict[str, Any]) -> None:
-    for view in (WINDOW_VIEW, POOL_VIEW):
-        dst_view = views[view]
-        for key, src in (report.get(view) or {}).items():
-            dst = dst_view.get(key)
-            if dst is None:
-                dst = dst_view[key] = _new_bucket(view, src)
-            for f in GAUGE_FIELDS:
-                v = src.get(f)
-                if v:
-                    dst[f] += v
-            for f in PEAK_FIELDS:
-                v = src.get(f)
-                if v:
-                    dst[f] += v
 
 
 def finish_hit_rates(views: dict[str, dict[str, dict]]) -> None:
@@ -144,8 +99,9 @@ _DIV_GETTERS = {view: itemgetter(*fs) for view, fs in _BLOCK_FIELDS_OF_VIEW.item
 
 
 def tp_divergence(reference: dict[str, Any], other: dict[str, Any]) -> list[dict[str, Any]]:
-    """Block fields of `other` (a tp rank's report) that differ from its group's `reference` report."""
-    ref_r, oth_r = reference["report"], other["report"]
+    """Block fields of `other` (a tp rank's report) that differ from its group's `reference` report (a missing
+    field counts as 0, as in the sums; a missing bucket as None)."""
+    ref_r, oth_r = report_of(reference), report_of(other)
     out: list[dict[str, Any]] = []
     for view in VIEWS:
         fields_ = _BLOCK_FIELDS_OF_VIEW[view]
@@ -160,8 +116,8 @@ def tp_divergence(reference: dict[str, Any], other: dict[str, Any]) -> list[dict
                 except KeyError:
                     pass
             for f in fields_:
-                ea = a.get(f) if a is not None else None
-                eb = b.get(f) if b is not None else None
+                ea = a.get(f, 0) if a is not None else None
+                eb = b.get(f, 0) if b is not None else None
                 if ea != eb:
                     out.append({"dpRank": other["dp_rank"], "tpRank": other["tp_rank"],
                                 "referenceTpRank": reference["tp_rank"], "view": view,
@@ -180,17 +136,20 @@ class MergedIteration:
 
 def tokens_per_block_error(messages: list[dict[str, Any]]) -> dict[str, Any] | None:
     """An error entry when the ranks disagree on `tokensPerBlock`, else None."""
-    by_rank = {str(m["rank"]): (m.get("kv_cache_stats") or {}).get("tokensPerBlock") for m in messages}
-    values = {v for v in by_rank.values() if v is not None}
+    values = {(m.get("kv_cache_stats") or _NONE).get("tokensPerBlock") for m in messages}
+    values.discard(None)
     if len(values) > 1:
+        by_rank = {str(m["rank"]): (m.get("kv_cache_stats") or _NONE).get("tokensPerBlock") for m in messages}
         return {"field": "tokensPerBlock", "error": "ranks disagree on tokensPerBlock", "byRank": by_rank}
     return None
 
 
-_GAUGES_AND_PEAKS = GAUGE_FIELDS + PEAK_FIELDS
+_NONE: dict = {}
+
+
 _TP0_FIELDS = {view: VIEW_COUNTERS[view] for view in VIEWS}
 _TPN_FIELDS = {view: tuple(f for f in VIEW_COUNTERS[view] if f in BYTE_FIELDS) for view in VIEWS}
-_GETTERS = {fs: itemgetter(*fs) for fs in (*_TP0_FIELDS.values(), *_TPN_FIELDS.values(), _GAUGES_AND_PEAKS) if fs}
+_GETTERS = {fs: itemgetter(*fs) for fs in (*_TP0_FIELDS.values(), *_TPN_FIELDS.values(), GAUGES_AND_PEAKS) if fs}
 
 
 def _collect(rows: dict, views: dict, view: str, report: dict, fields_: tuple[str, ...]) -> None:
@@ -227,7 +186,7 @@ def merge_iteration_reference(messages: list[dict[str, Any]]) -> MergedIteration
     rows: dict = {}
     by_group: dict[int, list[dict[str, Any]]] = {}
     for m in messages:
-        report, tp0 = m["report"], m["tp_rank"] == 0
+        report, tp0 = report_of(m), m["tp_rank"] == 0
         for view in VIEWS:
             _collect(rows, views, view, report, _TP0_FIELDS[view] if tp0 else _TPN_FIELDS[view])
         by_group.setdefault(m["dp_rank"], []).append(m)
@@ -240,7 +199,7 @@ def merge_iteration_reference(messages: list[dict[str, Any]]) -> MergedIteration
         ref_tp = group[0]["tp_rank"]
         ref = [m for m in group if m["tp_rank"] == ref_tp][-1]
         for view in (WINDOW_VIEW, POOL_VIEW):
-            _collect(rows, views, view, ref["report"], _GAUGES_AND_PEAKS)
+            _collect(rows, views, view, report_of(ref), GAUGES_AND_PEAKS)
         seen_tp = {ref_tp}
         for m in reversed(group):
             if m["tp_rank"] not in seen_tp:
@@ -255,78 +214,78 @@ def merge_iteration_reference(messages: list[dict[str, Any]]) -> MergedIteration
     return MergedIteration(sort_views(views), divergence, errors)
 
 
-def _add_buckets(views: dict, lay: Layout, report: dict[str, Any], kind: str, done: set) -> None:
-    """Create the buckets a `kind` row of `report` lands in (static fields from the first report that has
-    the key) and union pool-group `windowSizes`; once per (layout, kind) per merge, the union every time."""
-    first = (lay, kind) not in done
+def _add_buckets(views: dict, lay: Layout, kind: str) -> None:
+    """Create the buckets a `kind` row of `lay` lands in (static fields from the first layout that has the
+    key) and union pool-group `windowSizes`; once per (layout, kind) per merge."""
     for view in KIND_VIEWS[kind]:
         dst_view = views[view]
-        if first:
-            src_view = report.get(view) or {}
-            for key in lay.keys[view]:
-                if key not in dst_view:
-                    dst_view[key] = _new_bucket(view, src_view[key])
-                elif view == POOL_VIEW:
-                    _union_window_sizes(dst_view[key], src_view[key])
-        elif view == POOL_VIEW:
-            src_view = report.get(view) or {}
-            for key in lay.keys[view]:
-                _union_window_sizes(dst_view[key], src_view[key])
-    done.add((lay, kind))
+        for key, static in lay.statics[view].items():
+            dst = dst_view.get(key)
+            if dst is None:
+                dst_view[key] = _new_bucket(view, static)
+            elif view == POOL_VIEW:
+                ws = static.get("windowSizes")
+                if ws and ws != dst["windowSizes"]:
+                    dst["windowSizes"] = sorted(set(dst["windowSizes"]) | set(ws))
 
 
-def _union_window_sizes(dst: dict[str, Any], src: dict[str, Any]) -> None:
-    ws, dst_ws = src.get("windowSizes"), dst["windowSizes"]
-    if ws and ws != dst_ws:
-        dst["windowSizes"] = sorted(set(dst_ws) | set(ws))
+def _same_blocks(ref: dict[str, Any], ref_flat: Flat, other: dict[str, Any]) -> bool:
+    """Whether tp rank message `other` has its reference's block counters and gauges (the healthy case,
+    decided on the rows; only a difference is worth the per-field comparison)."""
+    lay = ref_flat.layout
+    return (other["layout"] == lay.key and other["gauges"] == ref["gauges"]
+            and lay.blocks(from_row(other["counters"])) == lay.blocks(from_row(ref["counters"])))
 
 
-def merge_iteration(messages: list[dict[str, Any]], flats: list[Flat] | None = None) -> MergedIteration:
+def merge_iteration(messages: list[dict[str, Any]], flats: list[Flat] | None = None,
+                    late: list[Flat] = ()) -> MergedIteration:
     """Merge the rank messages of one iteration (any subset of ranks; any rank may appear more than once
     when an outbox folded several messages) into the cluster statistics of that iteration.
 
-    Each report is read as rows of numbers (layout.py; `flats` when the caller flattened them at ingest)
-    and the rows of one layout are summed column-wise at C speed, then added into the record's buckets.
+    Messages may come in either form (layout.py); `flats` are their rows when the caller read them at
+    ingest. The rows of one layout are summed column-wise at C speed, then added into the record's
+    buckets. `late` are the rows of late deltas: their counters are added, their gauges are not.
     """
     if flats is None:
-        flats = [flatten(m["report"], m["tp_rank"], check=False) for m in messages]
+        messages = [packed(m) for m in messages]
+        flats = [flat_of(m) for m in messages]
     views = new_views()
-    done: set = set()
-    sums: dict[tuple[Layout, str], list[list]] = {}
-    by_group: dict[int, list[int]] = {}
-    for i, m in enumerate(messages):
-        fl = flats[i]
-        _add_buckets(views, fl.layout, m["report"], fl.kind, done)
+    sums: dict[tuple[Layout, str], list] = {}  # (layout, kind) -> the rows to add, in order of first sight
+    for fl in (*flats, *late):
         rows = sums.get((fl.layout, fl.kind))
         if rows is None:
-            sums[(fl.layout, fl.kind)] = [fl.counters]
-        else:
-            rows.append(fl.counters)
-        g = by_group.get(m["dp_rank"])
-        if g is None:
-            by_group[m["dp_rank"]] = [i]
-        else:
-            g.append(i)
+            rows = sums[(fl.layout, fl.kind)] = []
+            _add_buckets(views, fl.layout, fl.kind)
+        rows.append(fl.counters)
     divergence: list[dict[str, Any]] = []
-    for dp in sorted(by_group):
-        group = by_group[dp]
-        if len(group) > 1:
-            group = sorted(group, key=lambda i: (messages[i]["tp_rank"], messages[i].get("seq", 0)))
+    dps = [m["dp_rank"] for m in messages]
+    if len(set(dps)) == len(dps):  # one message per dp group (tp = 1, no fold): each is its group's reference
+        refs = flats
+    else:
+        refs = []
+        by_group: dict[int, list[int]] = {}
+        for i, dp in enumerate(dps):
+            by_group.setdefault(dp, []).append(i)
+        for dp in sorted(by_group):
+            group = sorted(by_group[dp], key=lambda i: (messages[i]["tp_rank"], messages[i].get("seq", 0)))
             # the newest message of the lowest tp rank present gives the group's gauges
             ref_tp = messages[group[0]]["tp_rank"]
             ref_i = [i for i in group if messages[i]["tp_rank"] == ref_tp][-1]
-        else:
-            ref_i = group[0]
-        ref, fl = messages[ref_i], flats[ref_i]
-        _add_buckets(views, fl.layout, ref["report"], "gauges", done)
-        sums.setdefault((fl.layout, "gauges"), []).append(fl.gauges)
-        if len(group) > 1:
-            seen_tp = {ref["tp_rank"]}
+            ref = messages[ref_i]
+            refs.append(flats[ref_i])
+            seen_tp = {ref_tp}
             for i in reversed(group):
                 m = messages[i]
                 if m["tp_rank"] not in seen_tp:
                     seen_tp.add(m["tp_rank"])
-                    divergence.extend(tp_divergence(ref, m))
+                    if not _same_blocks(ref, flats[ref_i], m):
+                        divergence.extend(tp_divergence(ref, m))
+    for fl in refs:
+        rows = sums.get((fl.layout, "gauges"))
+        if rows is None:
+            rows = sums[(fl.layout, "gauges")] = []
+            _add_buckets(views, fl.layout, "gauges")
+        rows.append(fl.gauges)
     for (lay, kind), rows in sums.items():
         totals = rows[0] if len(rows) == 1 else map(sum, zip(*rows, strict=True))
         for (view, key, f), total in zip(lay.slots[kind], totals, strict=True):
@@ -348,10 +307,11 @@ def fold_rank_messages(older: dict[str, Any], newer: dict[str, Any]) -> dict[str
     """
     if older["incarnation"] != newer["incarnation"] or older["rank"] != newer["rank"]:
         raise ValueError("only messages of one rank incarnation can be folded")
-    out = {k: v for k, v in newer.items() if k != "report"}
+    out = {k: v for k, v in newer.items() if k not in ("report", "layout", "counters", "gauges")}
+    old_r, new_r = report_of(older), report_of(newer)
     views = {view: {} for view in VIEWS}
     for view in VIEWS:
-        for src in (older["report"].get(view) or {}, newer["report"].get(view) or {}):
+        for src in (old_r.get(view) or {}, new_r.get(view) or {}):
             for key, b in src.items():
                 dst = views[view].get(key)
                 if dst is None:
@@ -387,11 +347,12 @@ class _RankCumulative:
     tp_rank: int
     current: str | None = None  # incarnation whose message is the newest
     current_ts: float = float("-inf")
-    # incarnation -> (seq, counters) of its newest snapshot; at most `max_incarnations`, older ones banked
-    snapshots: dict[str, tuple[int, dict[str, int]]] = field(default_factory=dict)
+    # incarnation -> (seq, kv_cache_stats, its KV_STATS_COUNTERS) of its newest snapshot; at most
+    # `max_incarnations`, older ones banked
+    snapshots: dict[str, tuple[int, dict[str, Any], tuple[int, ...]]] = field(default_factory=dict)
     banked: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KV_STATS_COUNTERS, 0))
     banked_incarnations: set[str] = field(default_factory=set)
-    gauges: dict[str, int] = field(default_factory=dict)
+    gauges: dict[str, Any] = field(default_factory=dict)  # the newest kv_cache_stats (its KV_STATS_GAUGES)
     tokens_per_block: int | None = None
 
 
@@ -410,9 +371,10 @@ class ClusterCumulative:
         self.floor: dict[str, int] = dict.fromkeys(KV_STATS_COUNTERS, 0)
         # `computed()` kept up to date by `update` (a snapshot replaced: its difference; banking moves counts
         # between two places that are both summed): O(1) per message instead of O(ranks) per record
-        self._sum: dict[str, int] = dict.fromkeys(KV_STATS_COUNTERS, 0)
+        self._sum: list[int] = [0] * len(KV_STATS_COUNTERS)
 
     def update(self, message: dict[str, Any]) -> None:
+        """Take a message's cumulative snapshot (its kv_cache_stats dict is kept by reference)."""
         stats = message.get("kv_cache_stats")
         if not stats:
             return
@@ -422,44 +384,36 @@ class ClusterCumulative:
         inc, seq = message["incarnation"], message["seq"]
         if inc in r.banked_incarnations:
             return
-        counters = {k: int(stats.get(k, 0)) for k in KV_STATS_COUNTERS}
         old = r.snapshots.get(inc)
         if old is None or seq > old[0]:
-            r.snapshots[inc] = (seq, counters)
+            new = _kv_counters(stats)
+            r.snapshots[inc] = (seq, stats, new)
             if r.tp_rank == 0:
-                total = self._sum
-                for k, v in counters.items():
-                    total[k] += v
-                if old is not None:
-                    for k, v in old[1].items():
-                        total[k] -= v
+                self._sum = list(map(add, self._sum, new if old is None else map(sub, new, old[2])))
         if len(r.snapshots) > self.max_incarnations:
             oldest = next(i for i in r.snapshots if i != inc)  # dict order = first seen
-            for k, v in r.snapshots.pop(oldest)[1].items():
+            gone = r.snapshots.pop(oldest)[2]
+            for k, v in zip(KV_STATS_COUNTERS, gone, strict=True):
                 r.banked[k] += v
             r.banked_incarnations.add(oldest)
-        ts = float(message.get("timestamp", 0.0))
+        ts = message.get("timestamp", 0.0)
         if inc == r.current or ts >= r.current_ts:
             if inc == r.current and old is not None and seq < old[0]:
                 return  # an older snapshot of the current incarnation: gauges stay
             r.current, r.current_ts = inc, max(ts, r.current_ts)
-            r.gauges = {k: int(stats.get(k, 0)) for k in KV_STATS_GAUGES}
+            r.gauges = stats
             r.tokens_per_block = stats.get("tokensPerBlock")
 
     def computed(self) -> dict[str, int]:
         """Sum over tp-rank-0 ranks of banked + every incarnation's latest snapshot (no floor)."""
-        return dict(self._sum)
+        return dict(zip(KV_STATS_COUNTERS, self._sum, strict=True))
 
-    def _resum(self) -> dict[str, int]:
-        out = dict.fromkeys(KV_STATS_COUNTERS, 0)
+    def _resum(self) -> list[int]:
+        out = [0] * len(KV_STATS_COUNTERS)
         for r in self.ranks.values():
-            if r.tp_rank != 0:
-                continue
-            for k, v in r.banked.items():
-                out[k] += v
-            for _, c in r.snapshots.values():
-                for k, v in c.items():
-                    out[k] += v
+            if r.tp_rank == 0:
+                for row in (_kv_counters(r.banked), *(c for _, _, c in r.snapshots.values())):
+                    out = list(map(add, out, row))
         return out
 
     def stats(self) -> dict[str, Any]:
@@ -476,8 +430,8 @@ class ClusterCumulative:
             if r.gauges and (ref is None or r.tp_rank < ref.tp_rank):
                 groups[r.dp_rank] = r
         for r in groups.values():
-            for k, v in r.gauges.items():
-                gauges[k] += v
+            for k in KV_STATS_GAUGES:
+                gauges[k] += r.gauges.get(k, 0)
         tpbs = {r.tokens_per_block for r in self.ranks.values() if r.tokens_per_block is not None}
         return {
             **gauges,
@@ -490,31 +444,32 @@ class ClusterCumulative:
         return {r.tokens_per_block for r in self.ranks.values() if r.tokens_per_block is not None}
 
     def to_state(self) -> dict[str, Any]:
-        """A JSON-able checkpoint (restored after an aggregator restart)."""
-        return {
-            "floor": dict(self.floor),
-            "ranks": {
-                str(rank): {
-                    "dp_rank": r.dp_rank, "tp_rank": r.tp_rank, "current": r.current, "current_ts": r.current_ts,
-                    "snapshots": {i: [s, c] for i, (s, c) in r.snapshots.items()},
-                    "banked": r.banked, "banked_incarnations": sorted(r.banked_incarnations),
-                    "gauges": r.gauges, "tokens_per_block": r.tokens_per_block,
-                }
-                for rank, r in self.ranks.items()
-            },
-        }
+        """A picklable checkpoint (restored after an aggregator restart); it shares this object's snapshots, so
+        serialise it before the next `update`."""
+        return {"floor": dict(self.floor),
+                "ranks": {rank: _rank_fields(r) for rank, r in self.ranks.items()}}
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> ClusterCumulative:
         c = cls()
-        c.floor.update({k: int(v) for k, v in state.get("floor", {}).items() if k in c.floor})
-        for rank, s in state.get("ranks", {}).items():
-            c.ranks[int(rank)] = _RankCumulative(
-                dp_rank=s["dp_rank"], tp_rank=s["tp_rank"], current=s["current"],
-                current_ts=float(s["current_ts"]),
-                snapshots={i: (int(v[0]), dict(v[1])) for i, v in s["snapshots"].items()},
-                banked=dict(s["banked"]), banked_incarnations=set(s["banked_incarnations"]),
-                gauges=dict(s["gauges"]), tokens_per_block=s["tokens_per_block"],
-            )
+        c.floor.update({k: v for k, v in state.get("floor", {}).items() if k in c.floor})
+        for rank, fields_ in state.get("ranks", {}).items():
+            r = c.ranks[int(rank)] = _RankCumulative(*fields_)
+            r.snapshots, r.banked = dict(r.snapshots), dict(r.banked)
+            r.banked_incarnations = set(r.banked_incarnations)
         c._sum = c._resum()
         return c
+
+
+_KV_COUNTERS_GET = itemgetter(*KV_STATS_COUNTERS)
+
+
+def _kv_counters(stats: dict[str, Any]) -> tuple[int, ...]:
+    """The KV_STATS_COUNTERS of a kv_cache_stats dict (a missing one counts as 0)."""
+    try:
+        return _KV_COUNTERS_GET(stats)
+    except KeyError:
+        return tuple(stats.get(k, 0) for k in KV_STATS_COUNTERS)
+
+
+_rank_fields = attrgetter(*(f.name for f in fields(_RankCumulative)))  # a shallow astuple, at C speed

@@ -14,6 +14,7 @@ count them twice); it emits them within stats_timeout_s, which bounds them.
 from __future__ import annotations
 
 import logging
+import pickle
 import threading
 import time
 from collections import OrderedDict
@@ -23,6 +24,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
+from .layout import LayoutError, packed
 from .merge import fold_rank_messages
 
 log = logging.getLogger("kvfleet.aggregator.outbox")
@@ -33,6 +35,7 @@ NEW, IN_FLIGHT, DELIVERED = "new", "in_flight", "delivered"
 @dataclass
 class _Entry:
     message: dict[str, Any]
+    wire: dict[str, Any] | None = None  # the packed form that travels (layout.py), made once, off the lock
     state: str = NEW
     sent_at: float = 0.0
     held: bool = False  # the current aggregator may hold it: never fold it (it would count twice)
@@ -113,7 +116,8 @@ class RankOutbox:
             if pair is None:
                 return  # everything left is held by the aggregator, which emits it within its timeout
             a, b = pair
-            self._entries[b].message = fold_rank_messages(self._entries.pop(a).message, self._entries[b].message)
+            e = self._entries[b]
+            e.message, e.wire = fold_rank_messages(self._entries.pop(a).message, e.message), None
             self.folded += 1
 
     def _next_batch(self) -> list[_Entry]:
@@ -150,7 +154,9 @@ class RankOutbox:
                     reply = ray.get(self._handle.ingest.remote([], poll=poll))
                     self._apply([], reply, polled=batch)
                     continue
-                reply = ray.get(self._handle.ingest.remote([e.message for e in batch]))
+                batch = self._pack(batch)
+                blob = pickle.dumps([e.wire for e in batch], protocol=5)  # one buffer for Ray (actor.ingest)
+                reply = ray.get(self._handle.ingest.remote(blob))
             except Exception as e:  # dead or unreachable actor, or not created yet: keep all, retry
                 log.warning("stats aggregator unreachable (%s: %s); keeping %d messages", type(e).__name__,
                             e, len(self._entries))
@@ -163,6 +169,23 @@ class RankOutbox:
                     self._cv.wait(self.retry_backoff_s)
                 continue
             self._apply(batch, reply)
+
+    def _pack(self, batch: list[_Entry]) -> list[_Entry]:
+        """Give each entry its packed form (outside the lock: in-flight entries are never folded); a message
+        that cannot be packed is dropped with an error, as the aggregator would reject it."""
+        ok = []
+        for e in batch:
+            if e.wire is None:
+                try:
+                    e.wire = packed(e.message)
+                except LayoutError as err:
+                    log.error("dropping stats message seq %s that cannot be packed: %s", e.message.get("seq"), err)
+                    with self._cv:
+                        self._entries.pop((e.message.get("incarnation"), e.message.get("seq")), None)
+                        self._cv.notify_all()
+                    continue
+            ok.append(e)
+        return ok
 
     def _apply(self, batch: list[_Entry], reply: dict[str, Any], polled: list[_Entry] = ()) -> None:
         with self._cv:

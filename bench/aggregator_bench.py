@@ -5,11 +5,13 @@ Targets (issue 5): >= 20,000 rank messages/s into one actor (batched), p99 emiss
 64 ranks x 20 iterations/s, merge cost linear in ranks. The 8-rank rows are also the per-node stage of a
 tree of aggregators (one per 8-GPU node): see aggregator/__init__.py.
 
-Same-process baselines, so runs on a loaded machine can be compared: `calib` times a fixed pure-Python
-workload (pickling and summing report dicts) before and after the runs, and every throughput is also shown
-per calibration unit (`norm`: msgs/s divided by calib ops/s); the merge table times the bucket-by-bucket
-reference merge (the pre-flattening implementation, kept as the oracle) next to the fast one.
-Every message carries its own report object (as distinct ranks send), so Ray pays for each one.
+Ranks send packed messages (aggregator/layout.py: a layout string and two number rows). Same-process
+baselines, so runs on a loaded machine can be compared: the same messages in the dict form (nested report
+dicts, as DESIGN.md names the fields) through the same actor (`dict` column, `packed/dict` ratio); a no-op
+actor given the packed batches (`ceiling`: Ray transport alone); `calib` times a fixed pure-Python workload
+before and after the runs (`norm`: msgs/s divided by calib ops/s); the merge table times the bucket-by-bucket
+reference merge (the oracle) next to the row merge. Every message carries its own objects (as distinct
+ranks send), so Ray pays for each one.
 
 Run: python bench/aggregator_bench.py [--quick] [--real]   (about a minute; starts its own local Ray)
      --real: reports from a genuine kvcache.KVCacheManager (two windows, host tier) instead of synthetic ones
@@ -27,6 +29,7 @@ import time
 import uuid
 
 import aggregator.merge as merge_mod
+from aggregator.layout import flat_of, packed
 from aggregator.merge import (
     BYTE_FIELDS,
     GAUGE_FIELDS,
@@ -90,8 +93,10 @@ def real_reports(n: int = 16, seed: int = 0) -> list[tuple[dict, dict]]:
     return out
 
 
-def make_messages(n_ranks: int, n_iters: int, tp: int = 1, seed: int = 0, start_iter: int = 0) -> list[list[dict]]:
-    """messages[i] = the n_ranks messages of iteration start_iter + i, each with its own report object."""
+def make_messages(n_ranks: int, n_iters: int, tp: int = 1, seed: int = 0, start_iter: int = 0,
+                  form: str = "packed") -> list[list[dict]]:
+    """messages[i] = the n_ranks messages of iteration start_iter + i, each with its own report object, in
+    the wire form ranks send (`packed`) or the dict form (`dict`)."""
     rng = random.Random(seed)
     incs = [uuid.uuid4().hex for _ in range(n_ranks)]
     reports = [r for r, _ in REPORTS] or [report(rng) for _ in range(16)]
@@ -103,9 +108,11 @@ def make_messages(n_ranks: int, n_iters: int, tp: int = 1, seed: int = 0, start_
         it = start_iter + i
         out.append([{"engine_id": ENGINE, "rank": r, "dp_rank": r // tp, "tp_rank": r % tp, "incarnation": incs[r],
                      "iteration": it, "seq": it, "timestamp": time.time(),
-                     "report": pickle.loads(blobs[(r + it) % len(blobs)]),
+                     "report": pickle.loads(blobs[(r // tp + it) % len(blobs)]),  # tp ranks agree
                      "kv_cache_stats": {**stats, "allocTotalBlocks": it * 8, "allocNewBlocks": it * 8}}
                     for r in range(n_ranks)])
+    if form == "packed":
+        out = [[pickle.loads(pickle.dumps(packed(m))) for m in it] for it in out]  # own objects per message
     return out
 
 
@@ -128,25 +135,22 @@ def _time_merge(fn, msgs, reps: int) -> float:
     return (time.perf_counter() - t0) / reps * 1e6
 
 
-def bench_merge(sizes) -> dict[int, tuple[float, float | None, float | None]]:
-    """Pure merge cost (no Ray), microseconds per iteration: (merge_iteration including the flattening,
-    reference merge, merge of rows flattened beforehand as the assembler does at ingest), interleaved so
-    that all see the same machine load."""
-    ref_fn = getattr(merge_mod, "merge_iteration_reference", None)
+def bench_merge(sizes) -> dict[int, tuple[float, float, float]]:
+    """Pure merge cost (no Ray), microseconds per iteration: (merge_iteration of packed messages including
+    reading their rows, reference merge of the same messages in the dict form, merge of rows read
+    beforehand as the assembler does at ingest), interleaved so that all see the same machine load."""
     out = {}
     for n in sizes:
         msgs = make_messages(n, 1, tp=2)[0]
+        dicts = make_messages(n, 1, tp=2, form="dict")[0]
+        flats = [flat_of(m) for m in msgs]
         reps = max(5, 2000 // n)
         fast, ref, rows = [], [], []
         for _ in range(3):
             fast.append(_time_merge(merge_iteration, msgs, reps))
-            if ref_fn:
-                from aggregator.layout import flatten
-
-                flats = [flatten(m["report"], m["tp_rank"]) for m in msgs]
-                ref.append(_time_merge(ref_fn, msgs, reps))
-                rows.append(_time_merge(lambda ms, f=flats: merge_iteration(ms, f), msgs, reps))
-        out[n] = (min(fast), min(ref) if ref else None, min(rows) if rows else None)
+            ref.append(_time_merge(merge_mod.merge_iteration_reference, dicts, reps))
+            rows.append(_time_merge(lambda ms, f=flats: merge_iteration(ms, f), msgs, reps))
+        out[n] = (min(fast), min(ref), min(rows))
     return out
 
 
@@ -157,7 +161,9 @@ class NoopAggregator:
     def __init__(self, n_iters: int) -> None:
         self.messages, self.n_iters = 0, n_iters
 
-    async def ingest(self, messages: list[dict]) -> dict:
+    async def ingest(self, messages: list[dict] | bytes) -> dict:
+        if isinstance(messages, bytes):
+            messages = pickle.loads(messages)
         self.messages += len(messages)
         return {"epoch": 1, "acked": []}
 
@@ -165,11 +171,22 @@ class NoopAggregator:
         return {"counts": {"messages": self.messages, "incomplete": 0}, "last_iter": self.n_iters - 1}
 
 
-async def bench_throughput(ray, n: int, seconds: float, batch: int, inflight: int = 4, noop: bool = False) -> float:
+def proc_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) used so far by process `pid` (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields_ = f.read().rsplit(")", 1)[1].split()
+    return (int(fields_[11]) + int(fields_[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def bench_throughput(ray, n: int, seconds: float, batch: int, inflight: int = 4, noop: bool = False,
+                           form: str = "packed", put: bool = False) -> tuple[float, float]:
+    """(msgs/s through the actor, msgs per CPU-second of the actor process). `put`: the batches are placed in
+    the object store beforehand, so the timed loop does not spend this machine's CPU on serialising them (as
+    ranks on other hosts would not)."""
     from aggregator import get_or_create_aggregator
 
-    eng_iters = max(4, int(seconds * 24_000 / n))
-    its = make_messages(n, eng_iters)
+    eng_iters = max(4, int(seconds * (24_000 if form == "packed" else 6_000) / n))
+    its = make_messages(n, eng_iters, form=form)
     flat = [m for it in its for m in it]
     if noop:
         agg = ray.remote(num_cpus=0)(NoopAggregator).remote(eng_iters)
@@ -177,8 +194,13 @@ async def bench_throughput(ray, n: int, seconds: float, batch: int, inflight: in
         agg = get_or_create_aggregator(ENGINE, n, 1, stats_timeout_s=2.0, name=f"bench-tp-{n}")
     await agg.health.remote()
     batches = [flat[i:i + batch] for i in range(0, len(flat), batch)]
-    refs = [ray.put(b) for b in batches[:1]]  # warm the path
-    await agg.ingest.remote(refs[0])
+    if form == "packed":  # as RankOutbox sends them: one pickle per batch
+        batches = [pickle.dumps(b, protocol=5) for b in batches]
+    if put:
+        batches = [ray.put(b) for b in batches]
+    await agg.ingest.remote(batches[0])  # warm the path
+    pid = await agg.__ray_call__.remote(lambda self: os.getpid())
+    cpu0 = proc_cpu_s(pid)
     t0 = time.perf_counter()
     pending: set = set()
     for b in batches[1:]:
@@ -190,10 +212,12 @@ async def bench_throughput(ray, n: int, seconds: float, batch: int, inflight: in
     while (h := await agg.health.remote())["last_iter"] < eng_iters - 1 and time.monotonic() < deadline:
         await asyncio.sleep(0.002)  # the last records may wait out the checkpoint interval
     dt = time.perf_counter() - t0
+    cpu = proc_cpu_s(pid) - cpu0
     assert h["counts"]["messages"] == len(flat), h["counts"]
     assert h["last_iter"] == eng_iters - 1 and h["counts"]["incomplete"] == 0, h
     ray.kill(agg)
-    return (len(flat) - len(batches[0])) / dt
+    sent = len(flat) - batch
+    return sent / dt, sent / max(cpu, 1e-9)
 
 
 async def bench_lag(ray, n: int, rate_hz: float, seconds: float, ranks_per_call: int) -> list[float]:
@@ -222,7 +246,8 @@ async def bench_lag(ray, n: int, rate_hz: float, seconds: float, ranks_per_call:
     for i, msgs in enumerate(its):
         due = t0 + i / rate_hz
         await asyncio.sleep(max(0.0, due - time.perf_counter()))
-        calls = [agg.ingest.remote(msgs[k:k + ranks_per_call]) for k in range(0, n, ranks_per_call)]
+        calls = [agg.ingest.remote(pickle.dumps(msgs[k:k + ranks_per_call], protocol=5))
+                 for k in range(0, n, ranks_per_call)]
         sent_at[i] = time.perf_counter()
         await asyncio.gather(*calls)
     await asyncio.wait_for(sub, 30)
@@ -245,21 +270,23 @@ async def main_async(args) -> None:
     sizes = (8, 64, 256)
     merges = bench_merge(sizes)
     merge = {n: f for n, (f, _, _) in merges.items()}
-    print(f"merge_iteration (pure, no Ray; {'kvcache' if args.real else 'synthetic'} reports, tp=2)")
+    print(f"merge_iteration of packed messages (pure, no Ray; {'kvcache' if args.real else 'synthetic'} reports,"
+          " tp=2)")
     print(f"{'ranks':>6} {'us/iteration':>13} {'us/rank':>8} {'per-rank cost vs 8':>19} {'reference us/it':>16}"
-          f" {'fast/reference':>15} {'rows-only us/it':>16} {'rows/reference':>15}")
+          f" {'packed/reference':>17} {'rows-only us/it':>16} {'rows/reference':>15}")
     for n in sizes:
         f, r, w = merges[n]
-        rs = f"{r:>16.0f} {f / r:>15.2f} {w:>16.0f} {w / r:>15.2f}" if r else f"{'n/a':>16} {'n/a':>15}"
-        print(f"{n:>6} {f:>13.0f} {f / n:>8.1f} {f / n / (merge[8] / 8):>19.2f} {rs}")
+        print(f"{n:>6} {f:>13.0f} {f / n:>8.1f} {f / n / (merge[8] / 8):>19.2f} {r:>16.0f} {f / r:>17.2f}"
+              f" {w:>16.0f} {w / r:>15.2f}")
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False,
              object_store_memory=200 * 1024 * 1024)
     secs = 1.0 if args.quick else 1.5
-    tput, ceiling = {}, {}
-    for n in sizes:  # interleaved, so that both see the same machine load
+    tput, ceiling, dicts = {}, {}, {}
+    for n in sizes:  # interleaved, so that all see the same machine load
         ceiling[n] = await bench_throughput(ray, n, secs, batch=max(n, 64), noop=True)
         tput[n] = await bench_throughput(ray, n, secs, batch=max(n, 64))
+        dicts[n] = await bench_throughput(ray, n, secs, batch=max(n, 64), form="dict")
     lag = {}
     for n in sizes:
         lag[n] = await bench_lag(ray, n, 20.0, 2.0 if args.quick else 3.0, ranks_per_call=8)
@@ -268,12 +295,15 @@ async def main_async(args) -> None:
     calib = (calib0 + calib1) / 2
 
     print("\nStatsAggregator actor (one actor; batches of max(ranks, 64) messages, 4 calls in flight)")
-    print(f"{'ranks':>6} {'msgs/s':>9} {'vs 8':>6} {'norm':>7} {'ceiling':>8} {'of ceil':>8} {'lag p50 ms':>11}"
-          f" {'lag p99 ms':>11} {'lag max ms':>11}   (20 it/s, one call per 8 ranks)")
+    print(f"{'ranks':>6} {'msgs/s':>9} {'vs 8':>6} {'norm':>7} {'ceiling':>8} {'of ceil':>8} {'dict':>7}"
+          f" {'packed/dict':>12} {'lag p50 ms':>11} {'lag p99 ms':>11} {'lag max ms':>11}"
+          "   (lag: 20 it/s, one call per 8 ranks)")
     for n in sizes:
         print(f"{n:>6} {tput[n]:>9.0f} {tput[n] / tput[8]:>6.2f} {tput[n] / calib:>7.3f} {ceiling[n]:>8.0f}"
-              f" {tput[n] / ceiling[n]:>8.2f} {pct(lag[n], .5):>11.1f} {pct(lag[n], .99):>11.1f} {max(lag[n]):>11.1f}")
-    print("ceiling: msgs/s of a no-op actor given the same batches (Ray transport alone); of ceil = msgs/s / ceiling")
+              f" {tput[n] / ceiling[n]:>8.2f} {dicts[n]:>7.0f} {tput[n] / dicts[n]:>12.2f} {pct(lag[n], .5):>11.1f}"
+              f" {pct(lag[n], .99):>11.1f} {max(lag[n]):>11.1f}")
+    print("ceiling: msgs/s of a no-op actor given the same packed batches (Ray transport alone); of ceil = msgs/s /"
+          " ceiling; dict: the same messages in the dict form through the same actor")
     print(f"calib: {calib0:.0f} ops/s before, {calib1:.0f} after (norm = msgs/s / calib ops/s; compare runs by norm)")
     print(f"\ntargets: >= 20000 msgs/s: {'met' if max(tput.values()) >= 20_000 else 'NOT met'} "
           f"(best {max(tput.values()):.0f}); p99 lag < 50 ms at 64 ranks: "

@@ -99,6 +99,27 @@ def test_tokens_per_block_mismatch_reported_not_raised():
     assert rec["complete"] and rec["errors"][0]["field"] == "tokensPerBlock"
 
 
+def test_ingest_takes_a_pickled_batch_and_refuses_bad_bytes():
+    import pickle
+
+    from aggregator.layout import packed
+
+    async def body():
+        agg = StatsAggregatorImpl(ENGINE, 2, 1, stats_timeout_s=1.0)
+        a, b = SimRank(0, 1), SimRank(1, 1)
+        wire = [packed(a.step(0)), packed(b.step(0))]
+        await agg.ingest(pickle.dumps(wire))
+        with pytest.raises(ValueError, match="not a pickled list"):
+            await agg.ingest(b"\x80\x05 not a pickle")
+        reply = await agg.ingest(pickle.dumps([]), poll=[a.incarnation, b.incarnation])
+        return reply, await agg.query(), agg.asm.counts, {a.incarnation, b.incarnation}
+
+    reply, recs, counts, incs = run(body())
+    assert [r["iter"] for r in recs] == [0] and recs[0]["complete"]
+    assert sorted(map(tuple, reply["acked"])) == sorted((i, 0) for i in incs)  # emitted: acknowledged on the poll
+    assert counts["messages"] == 2 and counts["rejected"] == 0
+
+
 class _FakeHandle:
     """An aggregator handle whose ingest runs on a StatsAggregatorImpl in the test's own loop thread."""
 

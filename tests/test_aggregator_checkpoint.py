@@ -3,7 +3,7 @@ bursts share one checkpoint, no record is visible and no message acknowledged be
 a restart from the last checkpoint counts every message once; the rank detail ring; managed gen-2 GC."""
 
 import asyncio
-import json
+import pickle
 import time
 
 from test_aggregator_support import ENGINE, SimRank
@@ -20,10 +20,10 @@ class MemoryStore:
         self.saved, self.saves = saved, []
 
     def load(self):
-        return json.loads(json.dumps(self.saved)) if self.saved else None
+        return pickle.loads(pickle.dumps(self.saved)) if self.saved else None
 
     def save(self, state) -> None:
-        self.saved = json.loads(json.dumps(state))  # JSON-able, as the GCS store needs
+        self.saved = pickle.loads(pickle.dumps(state))  # serialised at once, as the GCS store does
         self.saves.append(state["last_iter"])
 
 

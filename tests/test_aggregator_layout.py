@@ -1,8 +1,10 @@
-"""The flattened fast merge (aggregator/layout.py) against the bucket-by-bucket reference merge: identical
-records for any mix of key layouts, tp ranks, folded duplicates, missing fields and windowSizes; bad bucket
-shapes rejected at ingest with a reason; the incremental cluster cumulative equal to a full re-sum."""
+"""The packed wire form and the row merge (aggregator/layout.py) against the bucket-by-bucket reference merge:
+identical records for any mix of key layouts, tp ranks, folded duplicates, missing fields and windowSizes;
+packing loses nothing; bad bucket shapes and bad packed rows rejected at ingest with a reason; the
+incremental cluster cumulative equal to a full re-sum."""
 
 import json
+import pickle
 import random
 import sys
 
@@ -12,7 +14,7 @@ from hypothesis import strategies as st
 from test_aggregator_support import ENGINE, SimRank, kv_stats, make_report, message
 
 from aggregator.assembler import IterationAssembler
-from aggregator.layout import LayoutError, flatten, layout_of
+from aggregator.layout import LayoutError, flat_of, layout_for, pack, packed, report_of
 from aggregator.merge import (
     KV_STATS_COUNTERS,
     LIFECYCLE_VIEW,
@@ -67,16 +69,38 @@ def test_fast_merge_equals_reference(seed, dp, tp):
     assert fast.views == ref.views
     assert json.dumps(fast.views) == json.dumps(ref.views)  # same key and field order too
     assert fast.tp_divergence == ref.tp_divergence and fast.errors == ref.errors
-    # precomputed (checked) rows give the same record
-    flats = [flatten(m["report"], m["tp_rank"]) for m in msgs]
-    assert merge_iteration(msgs, flats).views == ref.views
+    # packed on the rank, read (checked) at ingest: the same record
+    wire = [packed(m) for m in msgs]
+    assert all("report" not in w for w in wire)
+    got = merge_iteration(wire, [flat_of(w) for w in wire])
+    assert got.views == ref.views and got.tp_divergence == ref.tp_divergence and got.errors == ref.errors
 
 
-def test_layout_cached_by_key_set():
+@settings(max_examples=100, deadline=None)
+@given(seed=st.integers(0, 10**6))
+def test_packing_loses_nothing(seed):
+    rng = random.Random(seed)
+    rep = _vary(make_report(rng=rng, bytes_scale=4096), rng)
+    back = report_of(packed(message(0, 1, 0, report=rep)))
+    for view, buckets in rep.items():
+        assert list(back[view]) == list(buckets)  # same keys, same order
+        for key, b in buckets.items():
+            for f, v in b.items():
+                if f == "iterCacheHitRate":
+                    continue  # recomputed from the counters
+                assert back[view][key][f] == v, (view, key, f)
+            assert set(back[view][key]) >= set(b)  # a field the rank left out comes back as 0
+    assert pack(back) == pack(rep)
+
+
+def test_layout_parsed_once_per_layout_string():
     a, b = make_report(), make_report(counters={"iterAllocTotalBlocks": 3})
-    assert layout_of(a) is layout_of(b)
+    assert pack(a)[0] == pack(b)[0] and pack(a)[1] != pack(b)[1]
+    assert layout_for(pack(a)[0]) is layout_for(pack(b)[0])
     del b[WINDOW_VIEW]["1024"]
-    assert layout_of(a) is not layout_of(b)
+    assert pack(a)[0] != pack(b)[0]
+    b[POOL_VIEW]["0"]["slotSize"] = 1  # static fields are part of the layout too
+    assert pack(make_report())[0] != pack(b)[0]
 
 
 @pytest.mark.parametrize("tp_rank", [0, 1])
@@ -89,27 +113,56 @@ def test_bad_bucket_shapes_rejected_at_ingest_with_reason(tp_rank):
     bad_lc = make_report()
     bad_lc[LIFECYCLE_VIEW]["0"] = "x"
     with pytest.raises(LayoutError, match="must be a dict"):
-        flatten(bad_bucket, tp_rank)
+        pack(bad_bucket)
     msgs = [message(tp_rank, 0, s, tp=2, report=r) for s, r in enumerate([bad_bucket, bad_number, bad_gauge, bad_lc])]
     res = a.ingest(msgs + [message(tp_rank, 0, 9, tp=2)])
     assert [r["index"] for r in res.rejected] == [0, 1, 2, 3]
     assert "must be a dict, got list" in res.rejected[0]["error"]
-    assert "counters must be numbers, got str" in res.rejected[1]["error"]
-    assert "gauges must be numbers, got NoneType" in res.rejected[2]["error"]
+    assert "counters must be integers, got str" in res.rejected[1]["error"]
+    assert "gauges must be integers, got NoneType" in res.rejected[2]["error"]
     assert "must be a dict, got str" in res.rejected[3]["error"]
     assert a.counts["messages"] == 1 and a.counts["rejected"] == 4
     # a rejected message is not marked seen: fixed and re-sent with the same seq, it is taken
     assert a.ingest([message(tp_rank, 0, 0, tp=2)]).rejected == [] and a.counts["messages"] == 2
 
 
+@pytest.mark.parametrize("tp_rank", [0, 1])
+def test_bad_packed_messages_rejected_at_ingest_with_reason(tp_rank):
+    a = IterationAssembler(ENGINE, 2, 2, 1.0)
+    good = packed(message(tp_rank, 0, 0, tp=2))
+    bad = [
+        ({**good, "counters": good["counters"][:-8]}, "counters and"),
+        ({**good, "gauges": good["gauges"] + bytes(8)}, "gauges, message rows"),
+        ({**good, "counters": good["counters"] + b"\x01"}, "(8 per number)"),
+        ({**good, "layout": "{not json"}, "layout is not JSON"),
+        ({**good, "layout": "[1, 2, 3]"}, "layout must be a list of 3 views"),
+        ({**good, "layout": 5}, "packed message needs 'layout'"),
+        ({**good, "counters": [1, 2]}, "packed message needs 'counters' (bytes)"),
+        ({**good, "report": make_report()}, "either 'report' or 'layout'"),
+        ({k: v for k, v in good.items() if k != "gauges"}, "packed message needs 'gauges'"),
+    ]
+    res = a.ingest([m for m, _ in bad])
+    assert [r["index"] for r in res.rejected] == list(range(len(bad)))
+    for (_, why), rej in zip(bad, res.rejected, strict=True):
+        assert why in rej["error"], (why, rej["error"])
+    assert a.counts["messages"] == 0
+    # none of them was marked seen: the correct message with the same seq is taken
+    assert a.ingest([good]).rejected == [] and a.counts["messages"] == 1
+
+
 def test_fast_and_field_by_field_validation_agree():
     from aggregator.assembler import MessageError, _validate_fields, validate_message
 
     good = message(1, 3, 4, tp=2)
-    variants = [good, {**good, "iterations": [2, 3]}, {**good, "iterations": [4, 3]}, {**good, "rank": True},
-                {**good, "rank": 9}, {**good, "dp_rank": 1}, {**good, "engine_id": "x"}, {**good, "seq": -1},
-                {**good, "report": {WINDOW_VIEW: []}}, {**good, "kv_cache_stats": []}, {**good, "report": []},
-                {**good, "kv_cache_stats": None}, {k: v for k, v in good.items() if k != "incarnation"},
+    wire = packed(good)
+    common = lambda g: [g, {**g, "iterations": [2, 3]}, {**g, "iterations": [4, 3]}, {**g, "rank": True},
+                        {**g, "rank": 9}, {**g, "dp_rank": 1}, {**g, "engine_id": "x"}, {**g, "seq": -1},
+                        {**g, "kv_cache_stats": []}, {**g, "kv_cache_stats": None},
+                        {k: v for k, v in g.items() if k != "incarnation"}]
+    variants = [*common(good), *common(wire), {**good, "report": {WINDOW_VIEW: []}}, {**good, "report": []},
+                {**wire, "layout": b"x"}, {**wire, "counters": (1, 2)}, {**wire, "gauges": None},
+                {**wire, "gauges": bytearray(wire["gauges"])},
+                {**wire, "report": {}}, {k: v for k, v in good.items() if k != "report"},
                 {**good, "kv_cache_stats": {**good["kv_cache_stats"], "allocTotalBlocks": "7"}}]
     for m in variants:
         errs = []
@@ -132,7 +185,7 @@ def _brute(c: ClusterCumulative) -> dict:
     for r in c.ranks.values():
         if r.tp_rank == 0:
             for k in out:
-                out[k] += r.banked[k] + sum(snap[k] for _, snap in r.snapshots.values())
+                out[k] += r.banked[k] + sum(snap[k] for _, snap, _ in r.snapshots.values())
     return out
 
 
@@ -151,7 +204,7 @@ def test_incremental_cumulative_equals_full_resum(seed):
         m = rng.choice(sent) if rng.random() < 0.3 else sent[-1]  # re-sent and reordered snapshots
         c.update(m)
         assert c.computed() == _brute(c)
-    d = ClusterCumulative.from_state(json.loads(json.dumps(c.to_state())))
+    d = ClusterCumulative.from_state(pickle.loads(pickle.dumps(c.to_state())))
     assert d.computed() == _brute(d) == c.computed() and d.stats() == c.stats()
 
 
