@@ -175,7 +175,7 @@ class StatsAggregatorImpl:
     def _publish(self, records: list[dict[str, Any]]) -> None:
         if not records:
             return
-        self._save_checkpoint()
+        self._save_checkpoint(records[-1]["kvCacheStats"])
         for rec in records:
             msgs = rec.pop("_rank_messages")
             if self.rank_detail_records:
@@ -207,9 +207,9 @@ class StatsAggregatorImpl:
         self.full_gcs += 1
         log.info("full gc: %d unreachable, %.1f ms", found, (time.perf_counter() - t0) * 1e3)
 
-    def _save_checkpoint(self) -> None:
+    def _save_checkpoint(self, stats: dict[str, Any] | None = None) -> None:
         # readers see the cluster kvCacheStats of the last checkpoint only, so a restart never shows less
-        self._reported_stats = self.asm.cumulative.stats()
+        self._reported_stats = stats if stats is not None else self.asm.cumulative.stats()
         if self._ckpt.key:
             self._ckpt.save(self.asm.checkpoint())
             self._last_checkpoint = time.monotonic()

@@ -46,7 +46,7 @@ from .fields import (  # noqa: F401  (re-exported: the merge rules' vocabulary)
     WINDOW_VIEW,
     hit_rate,
 )
-from .layout import GAUGES_AND_PEAKS, KIND_VIEWS, Flat, Layout, flat_of, from_row, packed, report_of
+from .layout import GAUGES_AND_PEAKS, KIND_VIEWS, Flat, Layout, column_sums, flat_of, from_row, packed, report_of
 
 
 def empty_bucket(view: str) -> dict[str, Any]:
@@ -287,9 +287,9 @@ def merge_iteration(messages: list[dict[str, Any]], flats: list[Flat] | None = N
             _add_buckets(views, fl.layout, "gauges")
         rows.append(fl.gauges)
     for (lay, kind), rows in sums.items():
-        totals = rows[0] if len(rows) == 1 else map(sum, zip(*rows, strict=True))
-        for (view, key, f), total in zip(lay.slots[kind], totals, strict=True):
-            views[view][key][f] += total
+        totals = column_sums(rows, lay.n_gauges if kind == "gauges" else lay.n_counters)
+        for i, (view, key, f) in lay.targets[kind]:
+            views[view][key][f] += totals[i]
     finish_hit_rates(views)
     errors = []
     err = tokens_per_block_error(messages)
@@ -372,6 +372,8 @@ class ClusterCumulative:
         # `computed()` kept up to date by `update` (a snapshot replaced: its difference; banking moves counts
         # between two places that are both summed): O(1) per message instead of O(ranks) per record
         self._sum: list[int] = [0] * len(KV_STATS_COUNTERS)
+        self._refs: dict[int, _RankCumulative] = {}  # dp rank -> the rank whose gauges count (see _set_gauges)
+        self._tpb: dict[tuple[int, int], int] = {}  # (dp rank, tp rank) -> its tokensPerBlock
 
     def update(self, message: dict[str, Any]) -> None:
         """Take a message's cumulative snapshot (its kv_cache_stats dict is kept by reference)."""
@@ -382,27 +384,36 @@ class ClusterCumulative:
         if r is None:
             r = self.ranks[message["rank"]] = _RankCumulative(message["dp_rank"], message["tp_rank"])
         inc, seq = message["incarnation"], message["seq"]
-        if inc in r.banked_incarnations:
-            return
         old = r.snapshots.get(inc)
         if old is None or seq > old[0]:
+            if old is None and inc in r.banked_incarnations:
+                return
             new = _kv_counters(stats)
             r.snapshots[inc] = (seq, stats, new)
             if r.tp_rank == 0:
                 self._sum = list(map(add, self._sum, new if old is None else map(sub, new, old[2])))
-        if len(r.snapshots) > self.max_incarnations:
-            oldest = next(i for i in r.snapshots if i != inc)  # dict order = first seen
-            gone = r.snapshots.pop(oldest)[2]
-            for k, v in zip(KV_STATS_COUNTERS, gone, strict=True):
-                r.banked[k] += v
-            r.banked_incarnations.add(oldest)
+            if old is None and len(r.snapshots) > self.max_incarnations:
+                oldest = next(i for i in r.snapshots if i != inc)  # dict order = first seen
+                for k, v in zip(KV_STATS_COUNTERS, r.snapshots.pop(oldest)[2], strict=True):
+                    r.banked[k] += v
+                r.banked_incarnations.add(oldest)
+        elif inc == r.current and seq < old[0]:
+            return  # an older snapshot of the current incarnation: gauges stay
         ts = message.get("timestamp", 0.0)
         if inc == r.current or ts >= r.current_ts:
-            if inc == r.current and old is not None and seq < old[0]:
-                return  # an older snapshot of the current incarnation: gauges stay
             r.current, r.current_ts = inc, max(ts, r.current_ts)
-            r.gauges = stats
-            r.tokens_per_block = stats.get("tokensPerBlock")
+            self._set_gauges(r, stats)
+
+    def _set_gauges(self, r: _RankCumulative, stats: dict[str, Any]) -> None:
+        r.gauges = stats
+        ref = self._refs.get(r.dp_rank)
+        if ref is None or r.tp_rank < ref.tp_rank:  # a dp group's gauges: its lowest tp rank that has some
+            self._refs[r.dp_rank] = r
+        tpb = r.tokens_per_block = stats.get("tokensPerBlock")
+        if tpb is not None:
+            self._tpb[(r.dp_rank, r.tp_rank)] = tpb
+        else:
+            self._tpb.pop((r.dp_rank, r.tp_rank), None)
 
     def computed(self) -> dict[str, int]:
         """Sum over tp-rank-0 ranks of banked + every incarnation's latest snapshot (no floor)."""
@@ -418,30 +429,22 @@ class ClusterCumulative:
 
     def stats(self) -> dict[str, Any]:
         """The 9-key cluster kvCacheStats; counters never below the floor, which then rises to them."""
-        counters = self.computed()
-        for k in KV_STATS_COUNTERS:
-            if counters[k] < self.floor[k]:
-                counters[k] = self.floor[k]
-            self.floor[k] = counters[k]
-        gauges = dict.fromkeys(KV_STATS_GAUGES, 0)
-        groups: dict[int, _RankCumulative] = {}
-        for r in self.ranks.values():
-            ref = groups.get(r.dp_rank)
-            if r.gauges and (ref is None or r.tp_rank < ref.tp_rank):
-                groups[r.dp_rank] = r
-        for r in groups.values():
-            for k in KV_STATS_GAUGES:
-                gauges[k] += r.gauges.get(k, 0)
-        tpbs = {r.tokens_per_block for r in self.ranks.values() if r.tokens_per_block is not None}
+        floor = self.floor
+        for k, v in zip(KV_STATS_COUNTERS, self._sum, strict=True):
+            if v > floor[k]:
+                floor[k] = v
+        rows = [_kv_gauges(r.gauges) for r in self._refs.values()]
+        gauges = map(sum, zip(*rows, strict=True)) if rows else (0,) * len(KV_STATS_GAUGES)
+        tpbs = self.tokens_per_block_values()
         return {
-            **gauges,
+            **dict(zip(KV_STATS_GAUGES, gauges, strict=True)),
             "tokensPerBlock": min(tpbs) if tpbs else 0,
-            **counters,
-            "cacheHitRate": hit_rate(counters["reusedBlocks"], counters["missedBlocks"]),
+            **floor,
+            "cacheHitRate": hit_rate(floor["reusedBlocks"], floor["missedBlocks"]),
         }
 
     def tokens_per_block_values(self) -> set[int]:
-        return {r.tokens_per_block for r in self.ranks.values() if r.tokens_per_block is not None}
+        return set(self._tpb.values())
 
     def to_state(self) -> dict[str, Any]:
         """A picklable checkpoint (restored after an aggregator restart); it shares this object's snapshots, so
@@ -457,11 +460,21 @@ class ClusterCumulative:
             r = c.ranks[int(rank)] = _RankCumulative(*fields_)
             r.snapshots, r.banked = dict(r.snapshots), dict(r.banked)
             r.banked_incarnations = set(r.banked_incarnations)
+            if r.gauges:
+                c._set_gauges(r, r.gauges)
         c._sum = c._resum()
         return c
 
 
 _KV_COUNTERS_GET = itemgetter(*KV_STATS_COUNTERS)
+_KV_GAUGES_GET = itemgetter(*KV_STATS_GAUGES)
+
+
+def _kv_gauges(stats: dict[str, Any]) -> tuple[int, ...]:
+    try:
+        return _KV_GAUGES_GET(stats)
+    except KeyError:
+        return tuple(stats.get(k, 0) for k in KV_STATS_GAUGES)
 
 
 def _kv_counters(stats: dict[str, Any]) -> tuple[int, ...]:
