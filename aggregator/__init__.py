@@ -21,5 +21,7 @@ does not make whole nodes look missing. That tree is described, not built.
 
 from .actor import StatsAggregator, StatsAggregatorImpl, aggregator_name, get_or_create_aggregator
 from .outbox import RankOutbox
+from .relay import StatsRelay, StatsRelayImpl, relay_name
 
-__all__ = ["RankOutbox", "StatsAggregator", "StatsAggregatorImpl", "aggregator_name", "get_or_create_aggregator"]
+__all__ = ["RankOutbox", "StatsAggregator", "StatsAggregatorImpl", "StatsRelay", "StatsRelayImpl", "aggregator_name",
+           "get_or_create_aggregator", "relay_name"]

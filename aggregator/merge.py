@@ -385,6 +385,18 @@ class ClusterCumulative:
             r = self.ranks[message["rank"]] = _RankCumulative(message["dp_rank"], message["tp_rank"])
         inc, seq = message["incarnation"], message["seq"]
         old = r.snapshots.get(inc)
+        if inc == r.current and old is not None and seq > old[0]:  # the usual case: this rank's next snapshot
+            new = _kv_counters(stats)
+            r.snapshots[inc] = (seq, stats, new)
+            if r.tp_rank == 0:
+                self._sum = list(map(add, self._sum, map(sub, new, old[2])))
+            ts = message.get("timestamp", 0.0)
+            if ts > r.current_ts:
+                r.current_ts = ts
+            r.gauges = stats  # the group's reference rank cannot change: this rank was already a candidate
+            if stats.get("tokensPerBlock") != r.tokens_per_block:
+                self._set_gauges(r, stats)
+            return
         if old is None or seq > old[0]:
             if old is None and inc in r.banked_incarnations:
                 return

@@ -203,9 +203,13 @@ class RankOutbox:
             for e in batch:
                 e.state, e.held = DELIVERED, True
             for rej in reply.get("rejected", ()):
-                m = batch[rej["index"]].message
-                log.error("stats aggregator rejected message seq %s: %s", m.get("seq"), rej["error"])
-                self._entries.pop((m.get("incarnation"), m.get("seq")), None)
+                if "seq" in rej:  # named (a relay passes on what the aggregator rejected later)
+                    key = (rej.get("incarnation"), rej["seq"])
+                else:
+                    m = batch[rej["index"]].message
+                    key = (m.get("incarnation"), m.get("seq"))
+                log.error("stats aggregator rejected message seq %s: %s", key[1], rej["error"])
+                self._entries.pop(key, None)
             for inc, seq in reply["acked"]:
                 self._entries.pop((inc, seq), None)
             self._bound()

@@ -1,5 +1,6 @@
-"""Fault tests on the real local Ray cluster: a rank actor killed mid-stream, and the aggregator actor
-killed mid-stream (Ray restarts it; ranks re-send what was not acknowledged)."""
+"""Fault tests on the real local Ray cluster: a rank actor killed mid-stream, the aggregator actor killed
+mid-stream (Ray restarts it; ranks re-send what was not acknowledged), directly and through a node relay,
+and the relay itself killed mid-stream."""
 
 import sys
 import time
@@ -9,7 +10,7 @@ import ray
 import test_aggregator_support
 from test_aggregator_support import SimRank
 
-from aggregator import RankOutbox, aggregator_name, get_or_create_aggregator
+from aggregator import RankOutbox, StatsRelay, aggregator_name, get_or_create_aggregator, relay_name
 from aggregator.merge import WINDOW_VIEW
 
 pytestmark = pytest.mark.ray
@@ -23,11 +24,12 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 class FakeRank:
     """A rank that only produces stats: SimRank's consistent stream through a real RankOutbox."""
 
-    def __init__(self, engine_id: str, rank: int, seed: int) -> None:
+    def __init__(self, engine_id: str, rank: int, seed: int, via_relay: bool = False) -> None:
         self.sim = SimRank(rank, tp=1, seed=seed, engine_id=engine_id)
         # connect before the stream starts, as a real rank does during setup: a first call that is still
         # connecting must not look like a missing rank to the aggregator's timeout
-        handle = ray.get_actor(aggregator_name(engine_id))
+        node = ray.get_runtime_context().get_node_id()
+        handle = ray.get_actor(relay_name(engine_id, node) if via_relay else aggregator_name(engine_id))
         ray.get(handle.health.remote())
         self.box = RankOutbox(engine_id, resend_after_s=0.1, handle=handle)
 
@@ -101,10 +103,22 @@ def test_rank_killed_gives_incomplete_records_then_complete_again(ray_cluster):
         ray.kill(a, no_restart=True)
 
 
-def test_aggregator_killed_comes_back_without_losing_counts(ray_cluster):
-    eng = "t-agg-kill"
+def start_relay(eng: str):
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node = ray.get_runtime_context().get_node_id()
+    relay = StatsRelay.options(name=relay_name(eng, node), num_cpus=0,
+                               scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(eng)
+    ray.get(relay.health.remote())
+    return relay
+
+
+@pytest.mark.parametrize("via_relay", [False, True], ids=["direct", "relay"])
+def test_aggregator_killed_comes_back_without_losing_counts(ray_cluster, via_relay):
+    eng = f"t-agg-kill-{via_relay}"
     agg = get_or_create_aggregator(eng, world_size=2, tp=1, stats_timeout_s=5.0)
-    r0, r1 = FakeRank.remote(eng, 0, 2), FakeRank.remote(eng, 1, 3)
+    relay = start_relay(eng) if via_relay else None
+    r0, r1 = FakeRank.remote(eng, 0, 2, via_relay), FakeRank.remote(eng, 1, 3, via_relay)
     ray.get([r0.__ray_ready__.remote(), r1.__ray_ready__.remote()])
     for it in range(5):
         ray.get([r0.step.remote(it), r1.step.remote(it)])
@@ -134,5 +148,28 @@ def test_aggregator_killed_comes_back_without_losing_counts(ray_cluster):
     final = ray.get(agg.kv_cache_stats.remote())
     for k in ("allocTotalBlocks", "reusedBlocks", "missedBlocks"):
         assert before[k] <= after_restart[k] <= final[k] == sum(s[k] for s in sent)
-    for a in (r0, r1, agg):
+    for a in (r0, r1, agg, *([relay] if relay else [])):
+        ray.kill(a, no_restart=True)
+
+
+def test_relay_killed_mid_stream_loses_and_doubles_nothing(ray_cluster):
+    eng = "t-relay-kill"
+    agg = get_or_create_aggregator(eng, world_size=2, tp=1, stats_timeout_s=5.0)
+    relay = start_relay(eng)
+    r0, r1 = FakeRank.remote(eng, 0, 4, True), FakeRank.remote(eng, 1, 5, True)
+    for it in range(4):
+        ray.get([r0.step.remote(it), r1.step.remote(it)])
+    ray.get(r0.step.remote(4))  # iteration 4 half sent when the relay dies (Ray restarts it)
+    ray.kill(relay, no_restart=False)
+    ray.get(r1.step.remote(4))
+    for it in range(5, 8):
+        ray.get([r0.step.remote(it), r1.step.remote(it)])
+    assert ray.get([r0.flush.remote(20), r1.flush.remote(20)]) == [True, True]
+    recs = records_through(agg, 7)
+    assert [r["iter"] for r in recs] == list(range(8)) and all(r["complete"] for r in recs)
+    sent = ray.get([r0.sent.remote(), r1.sent.remote()])
+    assert sum(alloc(r) for r in recs) == sum(s["allocTotalBlocks"] for s in sent)
+    assert ray.get(agg.kv_cache_stats.remote())["allocTotalBlocks"] == sum(s["allocTotalBlocks"] for s in sent)
+    assert ray.get(relay.health.remote())["ok"]  # the same handle reaches the restarted relay
+    for a in (r0, r1, agg, relay):
         ray.kill(a, no_restart=True)

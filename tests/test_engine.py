@@ -112,6 +112,7 @@ def test_stats_stream_adds_up_to_the_cluster_totals(engine):
         return await asyncio.gather(*[_collect(eng, p, 8) for p in _prompts(eng, 4)])
 
     loop.run_until_complete(run())
+    loop.run_until_complete(run())  # the same prompts again: their blocks are reused (also when run alone)
     last = eng.iteration - 1
     agg = eng.aggregator
     deadline = time.monotonic() + 60
@@ -127,6 +128,9 @@ def test_stats_stream_adds_up_to_the_cluster_totals(engine):
                        ("iterMissedBlocks", "missedBlocks")):
         assert sum(b[field] for r in recs for b in r["kvCacheIterationStats"].values()) == totals[key]
     assert totals["reusedBlocks"] > 0, "requests sharing a prefix reuse blocks"
+    # the ranks' messages went through their node's relay (one per node: here the one local node)
+    [relay] = eng.relays
+    assert ray.get(relay.health.remote())["forwarded"] >= 2 * len(recs)
 
 
 def test_abort_frees_the_request_blocks(engine):

@@ -22,7 +22,7 @@ from typing import Any
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from .loader import load_tokenizer
 from .sampling import SamplingParams
@@ -102,6 +102,7 @@ class Engine:
         self.max_request_tokens = settings.max_seq_len
         self.vocab_size = 0
         self.aggregator = None
+        self.relays: list[ray.actor.ActorHandle] = []
         self.workers: list = []
         self.rank_info: list[dict] = []
         self.iteration = 0
@@ -151,11 +152,11 @@ class Engine:
                     name=f"kvfleet-rank-{s.engine_id}-{rank}", num_cpus=s.num_cpus_per_rank,
                     num_gpus=1 if device == "cuda" else 0, scheduling_strategy=strategy,
                     max_restarts=0).remote(spec))
+        addrs = [await self.workers[dp * s.tp].address.remote() for dp in range(s.dp)]
+        self._start_relays({a["node_id"] for a in addrs})
         setups = []
-        for dp in range(s.dp):
-            ranks = self.workers[dp * s.tp:(dp + 1) * s.tp]
-            addr = await ranks[0].address.remote()
-            setups += [w.setup.remote(addr["ip"], addr["port"]) for w in ranks]
+        for dp, addr in enumerate(addrs):
+            setups += [w.setup.remote(addr["ip"], addr["port"]) for w in self.workers[dp * s.tp:(dp + 1) * s.tp]]
         self.rank_info = await asyncio.wait_for(asyncio.gather(*setups), SETUP_TIMEOUT_S)
         self.max_request_tokens = min(info["max_request_tokens"] for info in self.rank_info)
         self.vocab_size = self.rank_info[0]["vocab_size"]
@@ -163,6 +164,15 @@ class Engine:
         self._loop_task = asyncio.get_running_loop().create_task(self._loop())
         log.info("engine %s: %d ranks on %s (%s), iterations from %d, requests up to %d tokens", s.engine_id,
                  self.world_size, device, dtype, self.iteration, self.max_request_tokens)
+
+    def _start_relays(self, node_ids: set[str]) -> None:
+        """One stats relay per node that holds ranks (aggregator/relay.py), before the ranks look for it."""
+        from aggregator import StatsRelay, relay_name
+
+        for node in sorted(node_ids):
+            self.relays.append(StatsRelay.options(
+                name=relay_name(self.settings.engine_id, node), get_if_exists=True, num_cpus=0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(self.settings.engine_id))
 
     async def _warm_up(self) -> None:
         """A few excluded steps per dp group (first-call costs), recorded nowhere."""
@@ -185,7 +195,7 @@ class Engine:
             except (asyncio.CancelledError, Exception):
                 pass
         self._fail_all(EngineError("the engine is shutting down"))
-        for w in self.workers:
+        for w in self.workers + self.relays:
             try:
                 ray.kill(w)
             except Exception:
@@ -195,7 +205,7 @@ class Engine:
                 remove_placement_group(pg)
             except Exception:
                 pass
-        self.workers, self._pgs = [], []
+        self.workers, self.relays, self._pgs = [], [], []
 
     # ---- requests ----------------------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

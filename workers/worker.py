@@ -148,9 +148,12 @@ class RankWorker:
                                  enable_partial_reuse=s.enable_partial_reuse, enable_stats=s.enable_stats,
                                  gpu_memory_fraction=s.gpu_memory_fraction, dtype=dtype)
         self.kv = KVCacheManager(kv_cfg)
-        from aggregator import RankOutbox, aggregator_name  # only a rank that reports needs it
+        from aggregator import RankOutbox, aggregator_name, relay_name  # only a rank that reports needs it
 
-        handle = ray.get_actor(aggregator_name(s.engine_id))
+        try:  # through this node's relay (the engine starts one per node), else straight to the aggregator
+            handle = ray.get_actor(relay_name(s.engine_id, ray.get_runtime_context().get_node_id()))
+        except ValueError:
+            handle = ray.get_actor(aggregator_name(s.engine_id))
         ray.get(handle.health.remote())  # connect now, so the first iteration's delta is not late
         self.outbox = RankOutbox(s.engine_id, handle=handle)
         lo, hi = 1, s.max_seq_len
