@@ -221,13 +221,20 @@ class StatsAggregatorImpl:
 
     # ---------------------------------------------------------------- API (all async)
 
-    async def ingest(self, messages: list[dict[str, Any]] | bytes, poll: list[str] | None = None) -> dict[str, Any]:
+    async def ingest(self, messages: list[dict[str, Any]] | bytes, poll: list[str] | None = None,
+                     expect: list | None = None) -> dict[str, Any]:
         """Take rank messages; answer which (incarnation, seq) pairs are now safely emitted. `poll` lists
-        incarnations that send nothing new and only collect their acks.
+        incarnations that send nothing new and only collect their acks. `expect` is the [aggregator_id,
+        epoch] the sender last heard from: if that is not this actor now (it restarted), nothing is taken and
+        the reply says `stale`, so the sender re-sends all it holds unacknowledged, oldest first, instead of
+        letting this batch's newer iterations overtake what the old actor lost.
 
         `messages` may also be one pickle of the list (what RankOutbox sends): Ray then moves a single
         buffer instead of encoding and decoding every nested container, about 1.5x the batches/s."""
         self._ensure_started()
+        me = {"epoch": self.asm.epoch, "aggregator_id": self._ckpt.actor_id}
+        if expect is not None and list(expect) != [me["aggregator_id"], me["epoch"]]:
+            return {**me, "acked": [], "stale": True}
         if isinstance(messages, bytes | bytearray | memoryview):
             try:
                 messages = pickle.loads(messages)
@@ -241,8 +248,7 @@ class StatsAggregatorImpl:
         self._maybe_publish()
         if self.asm.pending:
             self._wake.set()
-        out: dict[str, Any] = {"epoch": self.asm.epoch, "acked": res.acked,
-                               "aggregator_id": self._ckpt.actor_id}
+        out: dict[str, Any] = {**me, "acked": res.acked}
         if res.rejected:
             out["rejected"] = res.rejected
         return out

@@ -25,7 +25,7 @@ from datetime import UTC, datetime
 from operator import itemgetter
 from typing import Any
 
-from .layout import Flat, LayoutError, flat_of, packed
+from .layout import LayoutError, check_rows, packed
 from .merge import KV_STATS_COUNTERS, KV_STATS_GAUGES, VIEWS, ClusterCumulative, merge_iteration
 
 REQUIRED = {"engine_id": str, "rank": int, "dp_rank": int, "tp_rank": int, "incarnation": str,
@@ -49,7 +49,7 @@ _ZEROS = (0,) * len(_KV_NUMBERS)
 
 def validate_message(m: Any, engine_id: str, world_size: int, tp: int) -> None:
     """Raise MessageError saying what is wrong with rank message `m` (either form: layout.py). Its rows are
-    checked against its layout when it is read (`flat_of`).
+    checked against its layout at ingest (`check_rows`).
 
     The usual message (packed, exact types, no `iterations`) passes one straight-line check; anything else
     takes the field-by-field path, which names the first problem."""
@@ -122,7 +122,6 @@ class _Pending:
     first_seen: float
     reported: set[int] = field(default_factory=set)
     messages: list[dict[str, Any]] = field(default_factory=list)
-    flats: list[Flat] = field(default_factory=list)  # messages[i] as rows (read at ingest)
 
 
 @dataclass
@@ -191,7 +190,7 @@ class IterationAssembler:
         self.cumulative = cumulative or ClusterCumulative()
         self.pending: dict[int, _Pending] = {}
         self._order: list[int] = []  # sorted pending iteration numbers
-        self.late: list[tuple[dict[str, Any], Flat]] = []  # late deltas and their rows, for the next record
+        self.late: list[dict[str, Any]] = []  # late deltas, for the next record
         self._seen: OrderedDict[str, _Seen] = OrderedDict()
         self._unemitted: dict[tuple[str, int], int] = {}  # (inc, seq) -> iteration its counters wait for
         self._ack_ready: dict[str, list[int]] = {}
@@ -212,6 +211,8 @@ class IterationAssembler:
         now, wall = self.clock(), self.wall()
         engine_id, world_size, tp = self.engine_id, self.world_size, self.tp
         seen_of, latest, unemitted, update = self._seen, self.latest, self._unemitted, self.cumulative.update
+        pending, last_emitted = self.pending, self.last_emitted
+        newest: dict[str, dict[str, Any]] = {}  # incarnation -> its newest message in this batch
         accepted = 0
         for idx, m in enumerate(messages):
             try:
@@ -227,7 +228,7 @@ class IterationAssembler:
                     continue
                 if "report" in m:
                     m = packed(m)
-                flat = flat_of(m)
+                check_rows(m)
             except (MessageError, LayoutError) as e:  # not marked seen: a corrected re-send is taken
                 self.counts["rejected"] += 1
                 res.rejected.append({"index": idx, "error": str(e)})
@@ -246,26 +247,31 @@ class IterationAssembler:
                 for s in m["merged_seqs"]:
                     seen.add(s)
             accepted += 1
-            # file it: rank health, cumulative snapshot, its iteration (or the late deltas)
+            prev = newest.get(inc)
+            if prev is None or seq > prev["seq"]:  # only an incarnation's newest snapshot counts (see below)
+                newest[inc] = m
             rank, it = m["rank"], m["iteration"]
+            if "iterations" in m:  # a folded message reports its rank for every iteration it spans
+                for j in range(max(m["iterations"][0], last_emitted + 1), it):
+                    self._pending_at(j, now).reported.add(rank)
+            if it <= last_emitted:
+                self.late.append(m)
+                unemitted[(inc, seq)] = -1
+                continue
+            p = pending.get(it) or self._pending_at(it, now)
+            p.reported.add(rank)
+            p.messages.append(m)
+            unemitted[(inc, seq)] = it
+        self.counts["messages"] += accepted
+        # rank health and cumulative snapshots: each incarnation's newest message of the batch stands for the
+        # older ones (a snapshot is cumulative), so a batch of k iterations costs this once, not k times
+        for m in newest.values():
+            rank = m["rank"]
             prev = latest.get(rank)
             if prev is None or m.get("timestamp", 0) >= prev.get("timestamp", 0):
                 latest[rank] = m
             self.last_seen[rank] = wall
             update(m)
-            if "iterations" in m:  # a folded message reports its rank for every iteration it spans
-                for j in range(max(m["iterations"][0], self.last_emitted + 1), it):
-                    self._pending_at(j, now).reported.add(rank)
-            if it <= self.last_emitted:
-                self.late.append((m, flat))
-                unemitted[(inc, seq)] = -1
-                continue
-            p = self.pending.get(it) or self._pending_at(it, now)
-            p.reported.add(rank)
-            p.messages.append(m)
-            p.flats.append(flat)
-            unemitted[(inc, seq)] = it
-        self.counts["messages"] += accepted
         for inc in incs:
             ready = self._ack_ready.pop(inc, None)
             if ready:
@@ -330,9 +336,8 @@ class IterationAssembler:
         return out
 
     def _emit(self, it: int, p: _Pending) -> dict[str, Any]:
-        late_pairs, self.late = self.late, []
-        merged = merge_iteration(p.messages, p.flats, late=[fl for _, fl in late_pairs])
-        late = [m for m, _ in late_pairs]
+        late, self.late = self.late, []
+        merged = merge_iteration(p.messages, late)
         missing = [r for r in range(self.world_size) if r not in p.reported]
         self.last_emitted = it
         self.counts["records"] += 1

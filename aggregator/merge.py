@@ -21,7 +21,7 @@ DESIGN.md 'Merging into a cluster record', made concrete:
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from operator import add, attrgetter, itemgetter, sub
+from operator import add, attrgetter, itemgetter, methodcaller, sub
 from typing import Any
 
 from .fields import (  # noqa: F401  (re-exported: the merge rules' vocabulary)
@@ -46,7 +46,7 @@ from .fields import (  # noqa: F401  (re-exported: the merge rules' vocabulary)
     WINDOW_VIEW,
     hit_rate,
 )
-from .layout import GAUGES_AND_PEAKS, KIND_VIEWS, Flat, Layout, column_sums, flat_of, from_row, packed, report_of
+from .layout import GAUGES_AND_PEAKS, KIND_VIEWS, Layout, column_sums, from_row, layout_for, packed, report_of
 
 
 def empty_bucket(view: str) -> dict[str, Any]:
@@ -136,7 +136,10 @@ class MergedIteration:
 
 def tokens_per_block_error(messages: list[dict[str, Any]]) -> dict[str, Any] | None:
     """An error entry when the ranks disagree on `tokensPerBlock`, else None."""
-    values = {(m.get("kv_cache_stats") or _NONE).get("tokensPerBlock") for m in messages}
+    try:  # the usual messages, at C speed
+        values = set(map(_tokens_per_block, map(_kv_cache_stats, messages)))
+    except (KeyError, TypeError):
+        values = {(m.get("kv_cache_stats") or _NONE).get("tokensPerBlock") for m in messages}
     values.discard(None)
     if len(values) > 1:
         by_rank = {str(m["rank"]): (m.get("kv_cache_stats") or _NONE).get("tokensPerBlock") for m in messages}
@@ -145,6 +148,8 @@ def tokens_per_block_error(messages: list[dict[str, Any]]) -> dict[str, Any] | N
 
 
 _NONE: dict = {}
+_kv_cache_stats, _tokens_per_block = itemgetter("kv_cache_stats"), itemgetter("tokensPerBlock")
+_dp_rank, _has_report = itemgetter("dp_rank"), methodcaller("__contains__", "report")
 
 
 _TP0_FIELDS = {view: VIEW_COUNTERS[view] for view in VIEWS}
@@ -229,64 +234,63 @@ def _add_buckets(views: dict, lay: Layout, kind: str) -> None:
                     dst["windowSizes"] = sorted(set(dst["windowSizes"]) | set(ws))
 
 
-def _same_blocks(ref: dict[str, Any], ref_flat: Flat, other: dict[str, Any]) -> bool:
+def _same_blocks(ref: dict[str, Any], other: dict[str, Any]) -> bool:
     """Whether tp rank message `other` has its reference's block counters and gauges (the healthy case,
     decided on the rows; only a difference is worth the per-field comparison)."""
-    lay = ref_flat.layout
-    return (other["layout"] == lay.key and other["gauges"] == ref["gauges"]
-            and lay.blocks(from_row(other["counters"])) == lay.blocks(from_row(ref["counters"])))
+    if other["layout"] != ref["layout"] or other["gauges"] != ref["gauges"]:
+        return False
+    blocks = layout_for(ref["layout"]).blocks
+    return blocks(from_row(other["counters"])) == blocks(from_row(ref["counters"]))
 
 
-def merge_iteration(messages: list[dict[str, Any]], flats: list[Flat] | None = None,
-                    late: list[Flat] = ()) -> MergedIteration:
+def merge_iteration(messages: list[dict[str, Any]], late: list[dict[str, Any]] = ()) -> MergedIteration:
     """Merge the rank messages of one iteration (any subset of ranks; any rank may appear more than once
     when an outbox folded several messages) into the cluster statistics of that iteration.
 
-    Messages may come in either form (layout.py); `flats` are their rows when the caller read them at
-    ingest. The rows of one layout are summed column-wise at C speed, then added into the record's
-    buckets. `late` are the rows of late deltas: their counters are added, their gauges are not.
+    Messages may come in either form (layout.py; packed ones already checked by `check_rows`). The rows of
+    one layout are summed column-wise at C speed, then added into the record's buckets. `late` are late
+    deltas: their counters are added, their gauges are not.
     """
-    if flats is None:
-        messages = [packed(m) for m in messages]
-        flats = [flat_of(m) for m in messages]
-    views = new_views()
-    sums: dict[tuple[Layout, str], list] = {}  # (layout, kind) -> the rows to add, in order of first sight
-    for fl in (*flats, *late):
-        rows = sums.get((fl.layout, fl.kind))
+    if any(map(_has_report, messages)) or any(map(_has_report, late)):
+        messages, late = [packed(m) for m in messages], [packed(m) for m in late]
+    # (layout string, kind) -> rows to add, in order of first sight (bucket statics: first layout wins)
+    sums: dict[tuple[str, str], list[bytes]] = {}
+    for m in (*messages, *late):
+        key = (m["layout"], "tp0" if m["tp_rank"] == 0 else "tpn")
+        rows = sums.get(key)
         if rows is None:
-            rows = sums[(fl.layout, fl.kind)] = []
-            _add_buckets(views, fl.layout, fl.kind)
-        rows.append(fl.counters)
+            rows = sums[key] = []
+        rows.append(m["counters"])
     divergence: list[dict[str, Any]] = []
-    dps = [m["dp_rank"] for m in messages]
+    dps = list(map(_dp_rank, messages))
     if len(set(dps)) == len(dps):  # one message per dp group (tp = 1, no fold): each is its group's reference
-        refs = flats
+        refs = messages
     else:
         refs = []
-        by_group: dict[int, list[int]] = {}
-        for i, dp in enumerate(dps):
-            by_group.setdefault(dp, []).append(i)
+        by_group: dict[int, list[dict[str, Any]]] = {}
+        for m in messages:
+            by_group.setdefault(m["dp_rank"], []).append(m)
         for dp in sorted(by_group):
-            group = sorted(by_group[dp], key=lambda i: (messages[i]["tp_rank"], messages[i].get("seq", 0)))
+            group = sorted(by_group[dp], key=lambda m: (m["tp_rank"], m.get("seq", 0)))
             # the newest message of the lowest tp rank present gives the group's gauges
-            ref_tp = messages[group[0]]["tp_rank"]
-            ref_i = [i for i in group if messages[i]["tp_rank"] == ref_tp][-1]
-            ref = messages[ref_i]
-            refs.append(flats[ref_i])
-            seen_tp = {ref_tp}
-            for i in reversed(group):
-                m = messages[i]
+            ref = [m for m in group if m["tp_rank"] == group[0]["tp_rank"]][-1]
+            refs.append(ref)
+            seen_tp = {ref["tp_rank"]}
+            for m in reversed(group):
                 if m["tp_rank"] not in seen_tp:
                     seen_tp.add(m["tp_rank"])
-                    if not _same_blocks(ref, flats[ref_i], m):
+                    if not _same_blocks(ref, m):
                         divergence.extend(tp_divergence(ref, m))
-    for fl in refs:
-        rows = sums.get((fl.layout, "gauges"))
+    for m in refs:
+        rows = sums.get((m["layout"], "gauges"))
         if rows is None:
-            rows = sums[(fl.layout, "gauges")] = []
-            _add_buckets(views, fl.layout, "gauges")
-        rows.append(fl.gauges)
-    for (lay, kind), rows in sums.items():
+            rows = sums[(m["layout"], "gauges")] = []
+        rows.append(m["gauges"])
+    views = new_views()
+    for key, kind in sums:  # buckets in order of first sight, as the reference merge creates them
+        _add_buckets(views, layout_for(key), kind)
+    for (key, kind), rows in sums.items():
+        lay = layout_for(key)
         totals = column_sums(rows, lay.n_gauges if kind == "gauges" else lay.n_counters)
         for i, (view, key, f) in lay.targets[kind]:
             views[view][key][f] += totals[i]

@@ -149,14 +149,15 @@ class RankOutbox:
                     from .actor import aggregator_name
 
                     self._handle = ray.get_actor(aggregator_name(self.engine_id))
+                expect = list(self._aggregator) if self._aggregator else None
                 if polling:  # delivered, only waiting for acks: ask for them instead of re-sending
                     poll = sorted({e.message["incarnation"] for e in batch})
-                    reply = ray.get(self._handle.ingest.remote([], poll=poll))
+                    reply = ray.get(self._handle.ingest.remote([], poll=poll, expect=expect))
                     self._apply([], reply, polled=batch)
                     continue
                 batch = self._pack(batch)
                 blob = pickle.dumps([e.wire for e in batch], protocol=5)  # one buffer for Ray (actor.ingest)
-                reply = ray.get(self._handle.ingest.remote(blob))
+                reply = ray.get(self._handle.ingest.remote(blob, expect=expect))
             except Exception as e:  # dead or unreachable actor, or not created yet: keep all, retry
                 log.warning("stats aggregator unreachable (%s: %s); keeping %d messages", type(e).__name__,
                             e, len(self._entries))
@@ -200,8 +201,9 @@ class RankOutbox:
                 for e in self._entries.values():
                     e.state, e.held = NEW, False
                 self._aggregator = who
-            for e in batch:
-                e.state, e.held = DELIVERED, True
+            if not reply.get("stale"):  # stale: the receiver restarted and took nothing; all of it goes again
+                for e in batch:
+                    e.state, e.held = DELIVERED, True
             for rej in reply.get("rejected", ()):
                 if "seq" in rej:  # named (a relay passes on what the aggregator rejected later)
                     key = (rej.get("incarnation"), rej["seq"])

@@ -8,8 +8,11 @@ aggregator pays per node, not per rank, and its per-message cost is the batched 
 
 The relay keeps nothing that matters: acknowledgements still mean "counted in an emitted record" (the relay
 passes the aggregator's acks back to each rank on its next call) and ranks keep every unacknowledged
-message. A reply names the relay and the aggregator behind it (`aggregator_id`, `epoch`), so when either
-restarts a rank's outbox sees a new identity and re-sends what is unacknowledged; the aggregator dedupes.
+message. A reply names the relay and the aggregator behind it (`aggregator_id`, `epoch`), and every call
+names the identity its sender last heard (`expect`): a relay or aggregator that restarted takes nothing from
+a call that expects its predecessor and answers `stale`, so the sender re-sends everything unacknowledged
+oldest first (newer iterations never overtake lost older ones, which would turn them into late deltas).
+A relay that finds its aggregator restarted drops its queue for the same reason; the aggregator dedupes.
 When the aggregator cannot be reached the relay keeps its queue (bounded: past `max_queue` it refuses new
 batches, and the outboxes hold and fold them) and retries.
 """
@@ -63,10 +66,16 @@ class StatsRelayImpl:
             self._kick, self._first = asyncio.Event(), asyncio.Event()
             self._pump = asyncio.get_running_loop().create_task(self._run())
 
-    async def ingest(self, messages: list[dict[str, Any]] | bytes, poll: list[str] | None = None) -> dict[str, Any]:
-        """An outbox's call (the StatsAggregator.ingest signature): queue its messages, answer the acks and
-        rejections the aggregator sent for its incarnations since its last call."""
+    async def ingest(self, messages: list[dict[str, Any]] | bytes, poll: list[str] | None = None,
+                     expect: list | None = None) -> dict[str, Any]:
+        """An outbox's call (the StatsAggregator.ingest signature, `expect` included): queue its messages,
+        answer the acks and rejections the aggregator sent for its incarnations since its last call."""
         self._ensure_started()
+        if self.who is None:  # no aggregator answer yet: wait for one, so the identity never flips later
+            await asyncio.wait_for(self._first.wait(), FIRST_CONTACT_TIMEOUT_S)
+        me = {"epoch": self.who[1], "aggregator_id": f"{self.id}/{self.who[0]}"}
+        if expect is not None and list(expect) != [me["aggregator_id"], me["epoch"]]:
+            return {**me, "acked": [], "stale": True}  # this relay or its aggregator restarted: re-send all
         if isinstance(messages, bytes | bytearray | memoryview):
             messages = pickle.loads(messages)
         if len(self.queue) + len(messages) > self.max_queue:
@@ -83,11 +92,9 @@ class StatsRelayImpl:
             self.recent[inc] = now
         if messages:
             self._kick.set()
-        if self.who is None:  # no aggregator answer yet: wait for one, so the identity never flips later
-            await asyncio.wait_for(self._first.wait(), FIRST_CONTACT_TIMEOUT_S)
         acked = [(inc, s) for inc in incs for s in self.acks.pop(inc, ())]
         rejected = [r for inc in incs for r in self.rejected.pop(inc, ())]
-        out: dict[str, Any] = {"epoch": self.who[1], "aggregator_id": f"{self.id}/{self.who[0]}", "acked": acked}
+        out: dict[str, Any] = {**me, "acked": acked}
         if rejected:
             out["rejected"] = rejected
         return out
@@ -111,25 +118,32 @@ class StatsRelayImpl:
 
                     self._aggregator = ray.get_actor(aggregator_name(self.engine_id))
                 reply = await self._aggregator.ingest.remote(pickle.dumps(batch, protocol=5),
-                                                             poll=sorted(self.recent))
+                                                             poll=sorted(self.recent),
+                                                             expect=list(self.who) if self.who else None)
             except Exception as e:  # unreachable or not created yet: keep the queue, retry
                 log.warning("stats relay: aggregator unreachable (%s: %s); %d messages queued", type(e).__name__,
                             e, len(self.queue))
                 self._aggregator = None if isinstance(e, ValueError) else self._aggregator
                 await asyncio.sleep(self.retry_backoff_s)
                 continue
+            who = (reply.get("aggregator_id"), reply["epoch"])
+            if who != self.who:
+                if self.who is not None:  # the aggregator restarted: the ranks re-send all they hold, in order
+                    log.info("stats relay: aggregator %s -> %s, dropping %d queued messages", self.who, who,
+                             len(self.queue))
+                    self.queue.clear()
+                    self.queued.clear()
+                    self.rejected.clear()
+                self.acks.clear()
+                self.who = who
+                self._first.set()
+            if reply.get("stale"):
+                continue
             del self.queue[: len(batch)]
             for m in batch:
                 self.queued.discard((m.get("incarnation"), m.get("seq")))
             self.forwarded += len(batch)
             self.batches += 1
-            who = (reply.get("aggregator_id"), reply["epoch"])
-            if who != self.who:
-                if self.who is not None:
-                    log.info("stats relay: aggregator %s -> %s", self.who, who)
-                self.acks.clear()  # acks of the old aggregator are moot: ranks re-send to the new one
-                self.who = who
-                self._first.set()
             for inc, seq in reply["acked"]:
                 self.acks.setdefault(inc, []).append(seq)
             for rej in reply.get("rejected", ()):

@@ -127,9 +127,9 @@ class _FakeHandle:
         self.agg, self.loop, self.gate = agg, loop, gate
         self.ingest = self
 
-    def remote(self, messages):
+    def remote(self, messages, **kw):
         self.gate.wait()
-        return asyncio.run_coroutine_threadsafe(self.agg.ingest(messages), self.loop)
+        return asyncio.run_coroutine_threadsafe(self.agg.ingest(messages, **kw), self.loop)
 
 
 def test_outbox_folds_while_unreachable_and_loses_no_count(monkeypatch):

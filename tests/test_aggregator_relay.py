@@ -21,13 +21,13 @@ class _Ingest:
     def __init__(self, agg: StatsAggregatorImpl, fail_first: int = 0) -> None:
         self.agg, self.fail_left, self.sizes = agg, fail_first, []
 
-    def remote(self, blob, poll=None):
+    def remote(self, blob, poll=None, expect=None):
         async def call():
             if self.fail_left:
                 self.fail_left -= 1
                 raise ConnectionError("aggregator unreachable")
             self.sizes.append(len(pickle.loads(blob)))
-            return await self.agg.ingest(blob, poll=poll)
+            return await self.agg.ingest(blob, poll=poll, expect=expect)
 
         return call()
 
@@ -132,3 +132,22 @@ def test_a_restarted_relay_has_a_new_identity():
     ra, ra2, rb = asyncio.run(body())
     assert ra["aggregator_id"] == ra2["aggregator_id"] != rb["aggregator_id"]  # a rank re-sends on a change
     assert ra["epoch"] == rb["epoch"] == 1
+
+
+def test_a_call_expecting_a_predecessor_is_refused_whole():
+    async def body():
+        agg = StatsAggregatorImpl(ENGINE, 1, 1, stats_timeout_s=5.0)
+        relay = StatsRelayImpl(ENGINE, flush_interval_s=0.005, aggregator=FakeHandle(agg))
+        rk = SimRank(0, 1)
+        first = await relay.ingest(pickle.dumps([packed(rk.step(0))]))
+        me = [first["aggregator_id"], first["epoch"]]
+        stale = await relay.ingest(pickle.dumps([packed(rk.step(1))]), expect=["old-relay/x", 1])
+        direct = await agg.ingest(pickle.dumps([packed(rk.step(2))]), expect=["old-aggregator", 1])
+        fine = await relay.ingest([], poll=[rk.incarnation], expect=me)
+        await _until(lambda: agg.asm.counts["messages"] == 1 and not relay.queue)
+        return stale, direct, fine, relay, agg
+
+    stale, direct, fine, relay, agg = asyncio.run(body())
+    assert stale["stale"] and direct["stale"] and "stale" not in fine
+    assert stale["acked"] == [] and direct["acked"] == []
+    assert relay.forwarded == 1 and agg.asm.counts["messages"] == 1  # neither refused message was taken
