@@ -70,7 +70,7 @@ def _picker(idx: list[int]):
 class Layout:
     """One report layout: its keys and static fields per view, and the (view, key, field) of every row slot."""
 
-    __slots__ = ("key", "statics", "targets", "n_counters", "n_gauges", "blocks")
+    __slots__ = ("key", "statics", "targets", "n_counters", "n_gauges", "row_bytes", "blocks")
 
     def __init__(self, key: str) -> None:
         try:
@@ -88,6 +88,7 @@ class Layout:
         self.targets = {"tp0": tuple(enumerate(counters)), "gauges": tuple(enumerate(gauges)),
                         "tpn": tuple((i, slot) for i, slot in enumerate(counters) if slot[2] in BYTE_FIELDS)}
         self.n_counters, self.n_gauges = len(counters), len(gauges)
+        self.row_bytes = (8 * len(counters), 8 * len(gauges))  # (counters, gauges) rows, as sent
         # counters row -> its block counters (what tp ranks of one dp group must agree on, with the gauges)
         self.blocks = _picker([i for i, (_, _, f) in enumerate(counters) if f not in BYTE_FIELDS])
 
@@ -204,7 +205,7 @@ def report_of(message: dict[str, Any]) -> dict[str, Any]:
 def check_rows(message: dict[str, Any]) -> Layout:
     """A packed message's layout; LayoutError unless its rows fit it."""
     lay = _cache.get(message["layout"]) or layout_for(message["layout"])
-    if len(message["counters"]) != 8 * lay.n_counters or len(message["gauges"]) != 8 * lay.n_gauges:
+    if (len(message["counters"]), len(message["gauges"])) != lay.row_bytes:
         raise LayoutError(f"layout has {lay.n_counters} counters and {lay.n_gauges} gauges, message rows "
                           f"{len(message['counters'])} and {len(message['gauges'])} bytes (8 per number)")
     return lay

@@ -150,6 +150,8 @@ def tokens_per_block_error(messages: list[dict[str, Any]]) -> dict[str, Any] | N
 _NONE: dict = {}
 _kv_cache_stats, _tokens_per_block = itemgetter("kv_cache_stats"), itemgetter("tokensPerBlock")
 _dp_rank, _has_report = itemgetter("dp_rank"), methodcaller("__contains__", "report")
+_layout, _counters, _gauges = itemgetter("layout"), itemgetter("counters"), itemgetter("gauges")
+_tp_rank = itemgetter("tp_rank")
 
 
 _TP0_FIELDS = {view: VIEW_COUNTERS[view] for view in VIEWS}
@@ -243,6 +245,22 @@ def _same_blocks(ref: dict[str, Any], other: dict[str, Any]) -> bool:
     return blocks(from_row(other["counters"])) == blocks(from_row(ref["counters"]))
 
 
+def _group(sums: dict[tuple[str, str], list[bytes]], messages: list[dict[str, Any]], kinds: list[str],
+           row_of) -> None:
+    """Append each message's row under (its layout, its kind); one C-speed pass when all share both."""
+    keys = list(zip(map(_layout, messages), kinds, strict=True))
+    if len(set(keys)) == 1:
+        sums.setdefault(keys[0], []).extend(map(row_of, messages))
+        return
+    for key, m in zip(keys, messages, strict=True):
+        sums.setdefault(key, []).append(row_of(m))
+
+
+def _counter_kinds(messages: list[dict[str, Any]]) -> list[str]:
+    """'tp0' (all counters count) or 'tpn' (bytes only) per message."""
+    return list(map(("tp0", "tpn").__getitem__, map(bool, map(_tp_rank, messages))))
+
+
 def merge_iteration(messages: list[dict[str, Any]], late: list[dict[str, Any]] = ()) -> MergedIteration:
     """Merge the rank messages of one iteration (any subset of ranks; any rank may appear more than once
     when an outbox folded several messages) into the cluster statistics of that iteration.
@@ -255,12 +273,8 @@ def merge_iteration(messages: list[dict[str, Any]], late: list[dict[str, Any]] =
         messages, late = [packed(m) for m in messages], [packed(m) for m in late]
     # (layout string, kind) -> rows to add, in order of first sight (bucket statics: first layout wins)
     sums: dict[tuple[str, str], list[bytes]] = {}
-    for m in (*messages, *late):
-        key = (m["layout"], "tp0" if m["tp_rank"] == 0 else "tpn")
-        rows = sums.get(key)
-        if rows is None:
-            rows = sums[key] = []
-        rows.append(m["counters"])
+    every = [*messages, *late]
+    _group(sums, every, _counter_kinds(every), _counters)
     divergence: list[dict[str, Any]] = []
     dps = list(map(_dp_rank, messages))
     if len(set(dps)) == len(dps):  # one message per dp group (tp = 1, no fold): each is its group's reference
@@ -281,11 +295,7 @@ def merge_iteration(messages: list[dict[str, Any]], late: list[dict[str, Any]] =
                     seen_tp.add(m["tp_rank"])
                     if not _same_blocks(ref, m):
                         divergence.extend(tp_divergence(ref, m))
-    for m in refs:
-        rows = sums.get((m["layout"], "gauges"))
-        if rows is None:
-            rows = sums[(m["layout"], "gauges")] = []
-        rows.append(m["gauges"])
+    _group(sums, refs, ["gauges"] * len(refs), _gauges)
     views = new_views()
     for key, kind in sums:  # buckets in order of first sight, as the reference merge creates them
         _add_buckets(views, layout_for(key), kind)

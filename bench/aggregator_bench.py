@@ -95,7 +95,7 @@ def real_reports(n: int = 16, seed: int = 0) -> list[tuple[dict, dict]]:
 
 
 def make_messages(n_ranks: int, n_iters: int, tp: int = 1, seed: int = 0, start_iter: int = 0,
-                  form: str = "packed") -> list[list[dict]]:
+                  form: str = "packed", engine: str = ENGINE) -> list[list[dict]]:
     """messages[i] = the n_ranks messages of iteration start_iter + i, each with its own report object, in
     the wire form ranks send (`packed`) or the dict form (`dict`)."""
     rng = random.Random(seed)
@@ -107,7 +107,7 @@ def make_messages(n_ranks: int, n_iters: int, tp: int = 1, seed: int = 0, start_
     out = []
     for i in range(n_iters):
         it = start_iter + i
-        out.append([{"engine_id": ENGINE, "rank": r, "dp_rank": r // tp, "tp_rank": r % tp, "incarnation": incs[r],
+        out.append([{"engine_id": engine, "rank": r, "dp_rank": r // tp, "tp_rank": r % tp, "incarnation": incs[r],
                      "iteration": it, "seq": it, "timestamp": time.time(),
                      "report": pickle.loads(blobs[(r // tp + it) % len(blobs)]),  # tp ranks agree
                      "kv_cache_stats": {**stats, "allocTotalBlocks": it * 8, "allocNewBlocks": it * 8}}
@@ -228,10 +228,11 @@ async def bench_lag(ray, n: int, rate_hz: float, seconds: float, ranks_per_call:
     from aggregator import StatsRelay, get_or_create_aggregator
 
     n_iters = int(rate_hz * seconds)
-    its = make_messages(n, n_iters)
-    agg = get_or_create_aggregator(ENGINE, n, 1, stats_timeout_s=2.0, name=f"bench-lag-{n}-{relays}")
+    engine = f"bench-lag-{n}-{relays}"
+    its = make_messages(n, n_iters, engine=engine)
+    agg = get_or_create_aggregator(engine, n, 1, stats_timeout_s=2.0)
     await agg.health.remote()
-    nodes = [StatsRelay.options(num_cpus=0).remote(ENGINE, aggregator=agg) for _ in range(relays)]
+    nodes = [StatsRelay.options(num_cpus=0).remote(engine) for _ in range(relays)]  # find it by name
     await asyncio.gather(*(r.ingest.remote([]) for r in nodes))  # first contact made
     per_node = n // relays if relays else n
     sent_at: dict[int, float] = {}
@@ -299,8 +300,8 @@ async def main_async(args) -> None:
     lag, lag_1 = {}, {}
     for n in sizes:
         lag[n] = await bench_lag(ray, n, 20.0, 2.0 if args.quick else 3.0, ranks_per_call=8)
-    for n in (8, 64):
-        lag_1[n] = await bench_lag(ray, n, 20.0, 2.0 if args.quick else 3.0, ranks_per_call=1, relays=n // 8)
+    for n in (8,):  # one node (more relays on this one machine would measure its 2 cores, not the design)
+        lag_1[n] = await bench_lag(ray, n, 20.0, 2.0 if args.quick else 3.0, ranks_per_call=1, relays=1)
     ray.shutdown()
     calib1 = calibrate()
     calib = (calib0 + calib1) / 2
@@ -324,15 +325,15 @@ async def main_async(args) -> None:
         print(f"  {n:>3} ranks, one call per 8 ranks      {pct(lag[n], .5):>6.1f} {pct(lag[n], .99):>6.1f}"
               f" {max(lag[n]):>6.1f}")
     for n in lag_1:
-        print(f"  {n:>3} ranks, each its own call to one of {n // 8} relays {pct(lag_1[n], .5):>6.1f}"
+        print(f"  {n:>3} ranks, each its own call to a relay  {pct(lag_1[n], .5):>6.1f}"
               f" {pct(lag_1[n], .99):>6.1f} {max(lag_1[n]):>6.1f}")
     best = max(v[0] for v in big.values())
     print(f"\ntargets: >= 20000 msgs/s: {'met' if best >= 20_000 else 'NOT met'} (best {best:.0f}, batch {BIG_BATCH});"
           f" p99 lag < 50 ms at 64 ranks: {'met' if pct(lag[64], .99) < 50 else 'NOT met'} ({pct(lag[64], .99):.1f}"
-          f" ms; {pct(lag_1[64], .99):.1f} ms through relays); merge per-rank cost 256 vs 8: "
+          f" ms); merge per-rank cost 256 vs 8: "
           f"{merge[256] / 256 / (merge[8] / 8):.2f}x (1.0 = linear)")
-    print(f"tree, per-node stage: the relay (one call per rank, {pct(lag_1[8], .5):.1f} ms p50 to a record with one "
-          f"node); the top aggregator then takes node batches at the rates above")
+    print(f"tree, per-node stage: a relay taking one call per rank ({pct(lag_1[8], .5):.1f} ms p50 to the record of "
+          f"one 8-rank node); the top aggregator then takes node batches at the rates above")
 
 
 def main() -> None:
