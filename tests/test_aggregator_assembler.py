@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from test_aggregator_support import ENGINE, SimRank, make_report, message
 
 from aggregator.assembler import IterationAssembler
+from aggregator.layout import packed
 from aggregator.merge import BLOCK_COUNTER_FIELDS, BYTE_FIELDS, VIEW_COUNTERS, VIEWS, WINDOW_VIEW, fold_rank_messages
 
 
@@ -150,9 +151,11 @@ def _emitted(records: list[dict]) -> dict:
     dp=st.integers(1, 3), tp=st.integers(1, 2), iters=st.integers(1, 8), seed=st.integers(0, 10_000),
     restart_p=st.floats(0, 0.3), dup_p=st.floats(0, 0.5), fold_p=st.floats(0, 0.4),
     shuffle_window=st.integers(0, 6), gap_p=st.floats(0, 0.5), restart_aggregator=st.booleans(),
+    pack=st.booleans(), batch=st.integers(1, 5),
 )
 def test_nothing_lost_nothing_counted_twice(dp, tp, iters, seed, restart_p, dup_p, fold_p, shuffle_window,
-                                           gap_p, restart_aggregator):
+                                           gap_p, restart_aggregator, pack, batch):
+    """Either wire form, delivered one by one or in batches (packed batches take the C-level check)."""
     rng = random.Random(seed)
     world = dp * tp
     ranks = [SimRank(r, tp, seed) for r in range(world)]
@@ -173,16 +176,16 @@ def test_nothing_lost_nothing_counted_twice(dp, tp, iters, seed, restart_p, dup_
                         key=lambda x: x[0])
     wire = []
     for _, m in deliveries:
-        wire.append(m)
+        wire.append(packed(m) if pack else m)
         if rng.random() < dup_p:
-            wire.insert(rng.randrange(len(wire)), m)
+            wire.insert(rng.randrange(len(wire)), wire[-1])
 
     a, clock = make(world=world, tp=tp, timeout=1.0)
     records: list[dict] = []
     restart_at = rng.randrange(len(wire)) if restart_aggregator else -1
     acks: list[dict] = []
-    for k, m in enumerate(wire):
-        if k == restart_at:  # the aggregator dies: pending is lost, its checkpoint survives
+    for k in range(0, len(wire), batch):
+        if k <= restart_at < k + batch:  # the aggregator dies: pending is lost, its checkpoint survives
             state = a.checkpoint()
             a, clock = make(world=world, tp=tp, timeout=1.0)
             a.epoch = 2
@@ -193,7 +196,7 @@ def test_nothing_lost_nothing_counted_twice(dp, tp, iters, seed, restart_p, dup_
                 if (m2["incarnation"], m2["seq"]) not in acked:
                     acks.extend({"inc": i, "seq": s} for i, s in a.ingest([m2]).acked)
                     records += a.poll()
-        acks.extend({"inc": i, "seq": s} for i, s in a.ingest([m]).acked)
+        acks.extend({"inc": i, "seq": s} for i, s in a.ingest(wire[k:k + batch]).acked)
         if rng.random() < gap_p:
             clock.t += rng.choice([0.2, 1.5])  # sometimes past stats_timeout_s: incomplete, then late
         records += a.poll()

@@ -151,7 +151,7 @@ def test_bad_packed_messages_rejected_at_ingest_with_reason(tp_rank):
 
 
 def test_fast_and_field_by_field_validation_agree():
-    from aggregator.assembler import MessageError, _validate_fields, validate_message
+    from aggregator.assembler import MessageError, _validate_fields, batch_valid, validate_message
 
     good = message(1, 3, 4, tp=2)
     wire = packed(good)
@@ -164,7 +164,13 @@ def test_fast_and_field_by_field_validation_agree():
                 {**wire, "gauges": bytearray(wire["gauges"])},
                 {**wire, "report": {}}, {k: v for k, v in good.items() if k != "report"},
                 {**good, "kv_cache_stats": {**good["kv_cache_stats"], "allocTotalBlocks": "7"}}]
+    placements = {(r, r // 2, r % 2) for r in range(4)}
+    assert batch_valid([wire, packed(message(0, 3, 4, tp=2))], ENGINE, placements)  # the usual batch
     for m in variants:
+        if batch_valid([m], ENGINE, placements):  # the C-level batch check never passes what the full one refuses
+            _validate_fields(m, ENGINE, 4, 2)
+            check_rows(m)
+        assert not batch_valid([wire, m], ENGINE, placements) or batch_valid([m], ENGINE, placements)
         errs = []
         for fn in (validate_message, _validate_fields):
             try:
