@@ -70,7 +70,7 @@ def _picker(idx: list[int]):
 class Layout:
     """One report layout: its keys and static fields per view, and the (view, key, field) of every row slot."""
 
-    __slots__ = ("key", "statics", "targets", "n_counters", "n_gauges", "row_bytes", "blocks")
+    __slots__ = ("key", "statics", "targets", "n_counters", "n_gauges", "row_bytes", "blocks", "_specs")
 
     def __init__(self, key: str) -> None:
         try:
@@ -91,25 +91,55 @@ class Layout:
         self.row_bytes = (8 * len(counters), 8 * len(gauges))  # (counters, gauges) rows, as sent
         # counters row -> its block counters (what tp ranks of one dp group must agree on, with the gauges)
         self.blocks = _picker([i for i, (_, _, f) in enumerate(counters) if f not in BYTE_FIELDS])
+        self._specs = {merged: self._bucket_specs(merged) for merged in (False, True)}
+
+    def views(self, counters, gauges, merged: bool = True) -> dict[str, dict[str, dict[str, Any]]]:
+        """The three views of a counters row and a gauges row, every bucket laid out as a cluster record's
+        (counters, gauges, hit rate, static fields). `merged`: keys in numeric order and sorted window sizes,
+        as in a cluster record; else the report's own order and static fields (a rank's record)."""
+        views: dict[str, dict[str, dict[str, Any]]] = {view: {} for view in VIEWS}
+        for view, key, c0, g0, tail in self._specs[merged]:
+            fields_ = VIEW_COUNTERS[view]
+            b = dict(zip(fields_, counters[c0:c0 + len(fields_)], strict=True))
+            if g0 is not None:
+                b.update(zip(GAUGES_AND_PEAKS, gauges[g0:g0 + len(GAUGES_AND_PEAKS)], strict=True))
+            if VIEW_HAS_HIT_RATE[view]:
+                b[HIT_RATE_FIELD] = hit_rate(b["iterReusedBlocks"], b["iterMissedBlocks"])
+            for f, v in tail:
+                b[f] = list(v) if type(v) is list else v  # records never share a list
+            views[view][key] = b
+        return views
 
     def unpack(self, counters: list, gauges: list) -> dict[str, dict[str, dict[str, Any]]]:
-        """The three report views of a packed message (fields in the order of a cluster record's buckets)."""
-        views: dict[str, dict[str, dict[str, Any]]] = {}
-        ci = gi = 0
+        """A packed message's report views (a rank's record)."""
+        return self.views(counters, gauges, merged=False)
+
+    def _bucket_specs(self, merged: bool) -> tuple:
+        """(view, key, counters offset, gauges offset or None, static fields) per bucket, in output order."""
+        starts, ci, gi = {}, 0, 0
         for view in VIEWS:
-            out = views[view] = {}
-            nc = len(VIEW_COUNTERS[view])
-            for key, static in self.statics[view].items():
-                b = dict(static)
-                b.update(zip(VIEW_COUNTERS[view], counters[ci:ci + nc], strict=True))
-                ci += nc
-                if VIEW_HAS_GAUGES[view]:
-                    b.update(zip(GAUGES_AND_PEAKS, gauges[gi:gi + len(GAUGES_AND_PEAKS)], strict=True))
-                    gi += len(GAUGES_AND_PEAKS)
-                if VIEW_HAS_HIT_RATE[view]:
-                    b[HIT_RATE_FIELD] = hit_rate(b["iterReusedBlocks"], b["iterMissedBlocks"])
-                out[key] = b
-        return views
+            for key in self.statics[view]:
+                starts[(view, key)] = (ci, gi if VIEW_HAS_GAUGES[view] else None)
+                ci += len(VIEW_COUNTERS[view])
+                gi += len(GAUGES_AND_PEAKS) if VIEW_HAS_GAUGES[view] else 0
+        specs = []
+        for view in VIEWS:
+            keys = sorted(self.statics[view], key=key_order) if merged else list(self.statics[view])
+            for key in keys:
+                static = self.statics[view][key]
+                if merged:  # a merged bucket's static fields (merge._new_bucket): sorted windowSizes, always
+                    tail = [(f, static[f]) for f in STATIC_FIELDS[view] if f in static]
+                    if view == POOL_VIEW:
+                        tail.append(("windowSizes", sorted(static.get("windowSizes", ()))))
+                else:
+                    tail = list(static.items())
+                specs.append((view, key, *starts[(view, key)], tuple(tail)))
+        return tuple(specs)
+
+
+def key_order(key: str) -> tuple:
+    """Numeric order of bucket keys (window sizes, pool group and life-cycle ids are decimal strings)."""
+    return (not key.isdigit(), len(key), key)
 
 
 _cache: dict[str, Layout] = {}

@@ -46,7 +46,17 @@ from .fields import (  # noqa: F401  (re-exported: the merge rules' vocabulary)
     WINDOW_VIEW,
     hit_rate,
 )
-from .layout import GAUGES_AND_PEAKS, KIND_VIEWS, Layout, column_sums, from_row, layout_for, packed, report_of
+from .layout import (
+    GAUGES_AND_PEAKS,
+    KIND_VIEWS,
+    Layout,
+    column_sums,
+    from_row,
+    key_order,
+    layout_for,
+    packed,
+    report_of,
+)
 
 
 def empty_bucket(view: str) -> dict[str, Any]:
@@ -83,7 +93,7 @@ def new_views() -> dict[str, dict[str, dict]]:
 def sort_views(views: dict[str, dict[str, dict]]) -> dict[str, dict[str, dict]]:
     """Keys in numeric order (window sizes, pool group and life-cycle ids are decimal strings)."""
     return {
-        view: dict(sorted(buckets.items(), key=lambda kv: (not kv[0].isdigit(), len(kv[0]), kv[0])))
+        view: dict(sorted(buckets.items(), key=lambda kv: key_order(kv[0])))
         for view, buckets in views.items()
     }
 
@@ -296,6 +306,33 @@ def merge_iteration(messages: list[dict[str, Any]], late: list[dict[str, Any]] =
                     if not _same_blocks(ref, m):
                         divergence.extend(tp_divergence(ref, m))
     _group(sums, refs, ["gauges"] * len(refs), _gauges)
+    keys = {key for key, _ in sums}
+    key = next(iter(keys)) if len(keys) == 1 else None
+    if key is not None and (key, "tp0") in sums and (key, "gauges") in sums:
+        views = _one_layout(sums, key)  # the usual iteration: one layout, a tp rank 0 present
+    else:
+        views = _any_layouts(sums)
+    errors = []
+    err = tokens_per_block_error(messages)
+    if err:
+        errors.append(err)
+    return MergedIteration(views, divergence, errors)
+
+
+def _one_layout(sums: dict[tuple[str, str], list[bytes]], key: str) -> dict[str, dict[str, dict]]:
+    """The record's views when all rows share one layout: column sums straight into finished buckets."""
+    lay = layout_for(key)
+    counters = column_sums(sums[(key, "tp0")], lay.n_counters)
+    tpn = sums.get((key, "tpn"))
+    if tpn:  # other tp ranks' bytes
+        extra = column_sums(tpn, lay.n_counters)
+        for i, _ in lay.targets["tpn"]:
+            counters[i] += extra[i]
+    return lay.views(counters, column_sums(sums[(key, "gauges")], lay.n_gauges))
+
+
+def _any_layouts(sums: dict[tuple[str, str], list[bytes]]) -> dict[str, dict[str, dict]]:
+    """The record's views from rows of any layouts: buckets unioned, then each kind's column sums added."""
     views = new_views()
     for key, kind in sums:  # buckets in order of first sight, as the reference merge creates them
         _add_buckets(views, layout_for(key), kind)
@@ -305,11 +342,7 @@ def merge_iteration(messages: list[dict[str, Any]], late: list[dict[str, Any]] =
         for i, (view, key, f) in lay.targets[kind]:
             views[view][key][f] += totals[i]
     finish_hit_rates(views)
-    errors = []
-    err = tokens_per_block_error(messages)
-    if err:
-        errors.append(err)
-    return MergedIteration(sort_views(views), divergence, errors)
+    return sort_views(views)
 
 
 def fold_rank_messages(older: dict[str, Any], newer: dict[str, Any]) -> dict[str, Any]:

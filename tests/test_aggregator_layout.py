@@ -76,6 +76,21 @@ def test_fast_merge_equals_reference(seed, dp, tp):
     assert got.views == ref.views and got.tp_divergence == ref.tp_divergence and got.errors == ref.errors
 
 
+@pytest.mark.parametrize("tp", [1, 2, 3])
+def test_one_layout_merge_equals_reference(tp):
+    """The usual iteration (one layout, every tp rank 0 present) takes merge._one_layout: same record."""
+    rng = random.Random(tp)
+    msgs = [message(r, 7, r, tp=tp, report=make_report(rng=rng, bytes_scale=4096)) for r in range(2 * tp)]
+    for m in msgs[1:]:  # tp ranks of a dp group agree on blocks, so no divergence; bytes differ
+        if m["tp_rank"]:
+            ref = msgs[m["rank"] - m["tp_rank"]]["report"]
+            for view, buckets in m["report"].items():
+                for key, b in buckets.items():
+                    b.update({f: v for f, v in ref[view][key].items() if "Bytes" not in f})
+    got, want = merge_iteration([packed(m) for m in msgs]), merge_iteration_reference(msgs)
+    assert json.dumps(got.views) == json.dumps(want.views) and got.tp_divergence == want.tp_divergence == []
+
+
 @settings(max_examples=100, deadline=None)
 @given(seed=st.integers(0, 10**6))
 def test_packing_loses_nothing(seed):
