@@ -420,6 +420,8 @@ class ClusterCumulative:
         # between two places that are both summed): O(1) per message instead of O(ranks) per record
         self._sum: list[int] = [0] * len(KV_STATS_COUNTERS)
         self._refs: dict[int, _RankCumulative] = {}  # dp rank -> the rank whose gauges count (see _set_gauges)
+        self._ref_rows: dict[int, tuple[int, ...]] = {}  # dp rank -> the gauges it counts
+        self._gauge_sum: list[int] = [0] * len(KV_STATS_GAUGES)
         self._tpb: dict[tuple[int, int], int] = {}  # (dp rank, tp rank) -> its tokensPerBlock
 
     def update(self, message: dict[str, Any]) -> None:
@@ -441,6 +443,8 @@ class ClusterCumulative:
             if ts > r.current_ts:
                 r.current_ts = ts
             r.gauges = stats  # the group's reference rank cannot change: this rank was already a candidate
+            if self._refs.get(r.dp_rank) is r:
+                self._set_ref_row(r.dp_rank, stats)
             if stats.get("tokensPerBlock") != r.tokens_per_block:
                 self._set_gauges(r, stats)
             return
@@ -466,13 +470,21 @@ class ClusterCumulative:
     def _set_gauges(self, r: _RankCumulative, stats: dict[str, Any]) -> None:
         r.gauges = stats
         ref = self._refs.get(r.dp_rank)
-        if ref is None or r.tp_rank < ref.tp_rank:  # a dp group's gauges: its lowest tp rank that has some
+        if ref is None or r.tp_rank <= ref.tp_rank:  # a dp group's gauges: its lowest tp rank that has some
             self._refs[r.dp_rank] = r
+            self._set_ref_row(r.dp_rank, stats)
         tpb = r.tokens_per_block = stats.get("tokensPerBlock")
         if tpb is not None:
             self._tpb[(r.dp_rank, r.tp_rank)] = tpb
         else:
             self._tpb.pop((r.dp_rank, r.tp_rank), None)
+
+    def _set_ref_row(self, dp_rank: int, stats: dict[str, Any]) -> None:
+        """dp group `dp_rank` now counts these gauges: keep the cluster's gauge sum current (O(1))."""
+        new = _kv_gauges(stats)
+        old = self._ref_rows.get(dp_rank)
+        self._ref_rows[dp_rank] = new
+        self._gauge_sum = list(map(add, self._gauge_sum, new if old is None else map(sub, new, old)))
 
     def computed(self) -> dict[str, int]:
         """Sum over tp-rank-0 ranks of banked + every incarnation's latest snapshot (no floor)."""
@@ -492,11 +504,9 @@ class ClusterCumulative:
         for k, v in zip(KV_STATS_COUNTERS, self._sum, strict=True):
             if v > floor[k]:
                 floor[k] = v
-        rows = [_kv_gauges(r.gauges) for r in self._refs.values()]
-        gauges = map(sum, zip(*rows, strict=True)) if rows else (0,) * len(KV_STATS_GAUGES)
         tpbs = self.tokens_per_block_values()
         return {
-            **dict(zip(KV_STATS_GAUGES, gauges, strict=True)),
+            **dict(zip(KV_STATS_GAUGES, self._gauge_sum, strict=True)),
             "tokensPerBlock": min(tpbs) if tpbs else 0,
             **floor,
             "cacheHitRate": hit_rate(floor["reusedBlocks"], floor["missedBlocks"]),

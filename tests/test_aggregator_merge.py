@@ -137,3 +137,17 @@ def test_cluster_cumulative_never_goes_backwards_and_banks_old_incarnations():
 def test_merge_accepts_engine_shaped_message():
     m = merge_iteration([message(0, 0, 0, engine_id=ENGINE)])
     assert set(m.views) == {WINDOW_VIEW, POOL_VIEW, LIFECYCLE_VIEW}
+
+
+def test_cluster_gauges_come_from_each_groups_lowest_tp_rank_as_it_appears():
+    c = ClusterCumulative()
+    c.update(_snap(1, "b", 0, 0, tp=2, maxNumBlocks=10))  # dp 0: only tp rank 1 so far
+    c.update(_snap(2, "c", 0, 0, tp=2, maxNumBlocks=100))  # dp 1: tp rank 0
+    assert c.stats()["maxNumBlocks"] == 110
+    c.update(_snap(0, "a", 0, 0, tp=2, maxNumBlocks=20))  # dp 0's tp rank 0 appears: it counts now
+    assert c.stats()["maxNumBlocks"] == 120
+    c.update(_snap(1, "b", 1, 0, tp=2, maxNumBlocks=99))  # tp rank 1 no longer counts
+    c.update(_snap(2, "c", 1, 0, tp=2, maxNumBlocks=50))
+    assert c.stats()["maxNumBlocks"] == 70
+    d = ClusterCumulative.from_state(c.to_state())
+    assert d.stats()["maxNumBlocks"] == 70
