@@ -77,7 +77,12 @@ class StatsRelayImpl:
         if expect is not None and list(expect) != [me["aggregator_id"], me["epoch"]]:
             return {**me, "acked": [], "stale": True}  # this relay or its aggregator restarted: re-send all
         if isinstance(messages, bytes | bytearray | memoryview):
-            messages = pickle.loads(messages)
+            try:
+                messages = pickle.loads(messages)
+            except Exception as e:
+                raise ValueError(f"ingest: messages bytes are not a pickled list ({type(e).__name__}: {e})") from None
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise TypeError("ingest takes a list of message dicts (or one pickle of it)")
         if len(self.queue) + len(messages) > self.max_queue:
             raise RelayBusy(f"stats relay queue full ({len(self.queue)} messages): aggregator unreachable")
         now = time.monotonic()
@@ -112,6 +117,8 @@ class StatsRelayImpl:
             batch = self.queue[: self.max_batch]
             now = time.monotonic()
             self.recent = {i: t for i, t in self.recent.items() if now - t < 60.0}
+            if not batch and not self.recent and self.who is not None:
+                continue  # nobody to forward for or to collect acks for: an idle engine costs nothing
             try:
                 if self._aggregator is None:
                     from .actor import aggregator_name

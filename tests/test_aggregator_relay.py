@@ -151,3 +151,18 @@ def test_a_call_expecting_a_predecessor_is_refused_whole():
     assert stale["stale"] and direct["stale"] and "stale" not in fine
     assert stale["acked"] == [] and direct["acked"] == []
     assert relay.forwarded == 1 and agg.asm.counts["messages"] == 1  # neither refused message was taken
+
+
+def test_bad_calls_get_clear_errors_and_change_nothing():
+    async def body():
+        agg = StatsAggregatorImpl(ENGINE, 1, 1, stats_timeout_s=5.0)
+        relay = StatsRelayImpl(ENGINE, flush_interval_s=0.005, aggregator=FakeHandle(agg))
+        await relay.ingest([])
+        with pytest.raises(ValueError, match="not a pickled list"):
+            await relay.ingest(b"\x80\x05 not a pickle")
+        with pytest.raises(TypeError, match="list of message dicts"):
+            await relay.ingest(pickle.dumps(["x"]))
+        return relay
+
+    relay = asyncio.run(body())
+    assert relay.queue == [] and relay.forwarded == 0
