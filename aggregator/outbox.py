@@ -38,7 +38,7 @@ class _Entry:
     wire: dict[str, Any] | None = None  # the packed form that travels (layout.py), made once, off the lock
     state: str = NEW
     sent_at: float = 0.0
-    held: bool = False  # the current aggregator may hold it: never fold it (it would count twice)
+    held: bool = False  # an aggregator may have counted it (now or before a restart): never fold it
 
 
 class RankOutbox:
@@ -198,8 +198,8 @@ class RankOutbox:
                 if self._aggregator is not None:
                     log.info("stats aggregator %s -> %s: re-sending %d messages", self._aggregator, who,
                              len(self._entries))
-                for e in self._entries.values():
-                    e.state, e.held = NEW, False
+                for e in self._entries.values():  # all again, to the new one; what the old one got stays
+                    e.state = NEW  # held: its checkpoint may have counted it, so folding it could count twice
                 self._aggregator = who
             if not reply.get("stale"):  # stale: the receiver restarted and took nothing; all of it goes again
                 for e in batch:

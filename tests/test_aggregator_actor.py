@@ -160,5 +160,22 @@ def test_outbox_folds_while_unreachable_and_loses_no_count(monkeypatch):
     loop.call_soon_threadsafe(loop.stop)
 
 
+def test_outbox_never_folds_what_an_aggregator_may_have_counted():
+    from aggregator.outbox import DELIVERED, _Entry
+
+    box = RankOutbox(ENGINE, max_pending=2, handle=object())
+    box.close(1.0)  # no sender thread: the bookkeeping alone, step by step
+    rk = SimRank(0, 1)
+    old = [rk.step(i) for i in range(2)]
+    for m in old:  # taken by the old aggregator, whose checkpoint may count them; no ack came back
+        box._entries[(m["incarnation"], m["seq"])] = _Entry(m, state=DELIVERED, held=True)
+    box._aggregator = ("old", 1)
+    box._apply([], {"epoch": 2, "aggregator_id": "new", "acked": []})  # it restarted: everything goes again
+    assert all(e.held for e in box._entries.values())
+    for i in (2, 3):
+        box.put(rk.step(i))  # over max_pending: only never-sent messages may be folded
+    assert box.folded == 1 and all(box._entries[(m["incarnation"], m["seq"])].message is m for m in old)
+
+
 def test_message_helper_engine_default():
     assert message(0, 0, 0)["engine_id"] == ENGINE
