@@ -222,3 +222,37 @@ def test_nothing_lost_nothing_counted_twice(dp, tp, iters, seed, restart_p, dup_
         if m["incarnation"] and {"inc": m["incarnation"], "seq": m["seq"]} not in acks:
             acks.extend({"inc": i, "seq": s} for i, s in a.ingest([m]).acked)
     assert {(m["incarnation"], m["seq"]) for m in sent + final} <= {(x["inc"], x["seq"]) for x in acks}
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), batch=st.integers(2, 16), restart_p=st.floats(0, 0.4))
+def test_a_batch_is_taken_as_its_messages_one_by_one(seed, batch, restart_p):
+    """Batched ingest applies only the last snapshot of each run of one incarnation: the same cluster
+    totals, rank records and records as one message at a time, also with messages lacking a snapshot,
+    swapped neighbours, duplicates and more incarnations per rank than are kept (banking)."""
+    rng = random.Random(seed)
+    ranks = [SimRank(r, 1, seed) for r in range(2)]
+    wire = []
+    for it in range(12):
+        for rk in ranks:
+            if it and rng.random() < restart_p:
+                rk.restart()
+            m = packed(rk.step(it))
+            if rng.random() < 0.2:
+                del m["kv_cache_stats"]
+            wire.append(m)
+            if rng.random() < 0.15:
+                wire.append(m)  # a duplicate
+    for i in range(len(wire) - 1):
+        if rng.random() < 0.2:
+            wire[i], wire[i + 1] = wire[i + 1], wire[i]
+    one, _ = make(world=2, timeout=100.0)
+    many, _ = make(world=2, timeout=100.0)
+    for m in wire:
+        one.ingest([m])
+    for k in range(0, len(wire), batch):
+        many.ingest(wire[k:k + batch])
+    assert many.cumulative.stats() == one.cumulative.stats()
+    assert many.cumulative.to_state() == one.cumulative.to_state()
+    assert many.latest == one.latest and many.counts == one.counts
+    assert many.poll() == one.poll()
