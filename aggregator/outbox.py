@@ -18,6 +18,7 @@ import pickle
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,19 @@ from .layout import LayoutError, packed
 from .merge import fold_rank_messages
 
 log = logging.getLogger("kvfleet.aggregator.outbox")
+
+
+def resolve_sink(engine_id: str, node_id: str | None) -> Any:
+    """Where a rank's outbox sends: its node's StatsRelay when there is one, else the StatsAggregator."""
+    from .actor import aggregator_name
+    from .relay import relay_name
+
+    if node_id is not None:
+        try:
+            return ray.get_actor(relay_name(engine_id, node_id))
+        except ValueError:
+            pass
+    return ray.get_actor(aggregator_name(engine_id))
 
 NEW, IN_FLIGHT, DELIVERED = "new", "in_flight", "delivered"
 
@@ -44,7 +58,8 @@ class _Entry:
 class RankOutbox:
     """One rank's outbox (one process, one incarnation)."""
 
-    def __init__(self, engine_id: str, max_pending: int = 256, *, handle: Any = None, batch_max: int = 64,
+    def __init__(self, engine_id: str, max_pending: int = 256, *, handle: Any = None,
+                 resolve: Callable[[], Any] | None = None, batch_max: int = 64,
                  resend_after_s: float = 1.0, retry_backoff_s: float = 0.2) -> None:
         if max_pending < 2:
             raise ValueError("max_pending must be >= 2")
@@ -54,6 +69,7 @@ class RankOutbox:
         self.resend_after_s = resend_after_s
         self.retry_backoff_s = retry_backoff_s
         self._handle = handle
+        self._resolve = resolve or (lambda: resolve_sink(engine_id, None))  # finds a new handle after a failure
         self._cv = threading.Condition()
         self._entries: OrderedDict[tuple[str, int], _Entry] = OrderedDict()
         self._aggregator: tuple[str | None, int] | None = None  # (actor id, epoch) of the last reply
@@ -146,9 +162,7 @@ class RankOutbox:
                     e.state, e.sent_at = IN_FLIGHT, now
             try:
                 if self._handle is None:
-                    from .actor import aggregator_name
-
-                    self._handle = ray.get_actor(aggregator_name(self.engine_id))
+                    self._handle = self._resolve()
                 expect = list(self._aggregator) if self._aggregator else None
                 if polling:  # delivered, only waiting for acks: ask for them instead of re-sending
                     poll = sorted({e.message["incarnation"] for e in batch})

@@ -27,6 +27,7 @@ import uuid
 from typing import Any
 
 import ray
+from ray.exceptions import RayActorError
 
 log = logging.getLogger("kvfleet.aggregator.relay")
 FIRST_CONTACT_TIMEOUT_S = 10.0  # an outbox call before the aggregator ever answered fails after this
@@ -117,6 +118,9 @@ class StatsRelayImpl:
             batch = self.queue[: self.max_batch]
             now = time.monotonic()
             self.recent = {i: t for i, t in self.recent.items() if now - t < 60.0}
+            for gone in [i for i in (*self.acks, *self.rejected) if i not in self.recent]:  # ranks that left
+                self.acks.pop(gone, None)
+                self.rejected.pop(gone, None)
             if not batch and not self.recent and self.who is not None:
                 continue  # nobody to forward for or to collect acks for: an idle engine costs nothing
             try:
@@ -127,10 +131,15 @@ class StatsRelayImpl:
                 reply = await self._aggregator.ingest.remote(pickle.dumps(batch, protocol=5),
                                                              poll=sorted(self.recent),
                                                              expect=list(self.who) if self.who else None)
-            except Exception as e:  # unreachable or not created yet: keep the queue, retry
+            except Exception as e:  # unreachable, or not created yet: keep the queue, retry
                 log.warning("stats relay: aggregator unreachable (%s: %s); %d messages queued", type(e).__name__,
                             e, len(self.queue))
-                self._aggregator = None if isinstance(e, ValueError) else self._aggregator
+                if isinstance(e, RayActorError | ValueError):
+                    self._aggregator = None  # look it up by name again
+                if self.who is not None:
+                    # the call may have run and its reply (with acks handed out once) be lost: a new identity
+                    # makes every rank re-send what it holds, and the aggregator acks what it already counted
+                    self.id = uuid.uuid4().hex
                 await asyncio.sleep(self.retry_backoff_s)
                 continue
             who = (reply.get("aggregator_id"), reply["epoch"])

@@ -88,16 +88,19 @@ def test_unreachable_aggregator_loses_nothing_and_a_full_queue_refuses():
         relay = StatsRelayImpl(ENGINE, flush_interval_s=0.005, max_queue=6, retry_backoff_s=0.01,
                                aggregator=FakeHandle(agg))
         ranks = [SimRank(r, 1) for r in range(2)]
-        await relay.ingest([], poll=[])  # first contact made
+        first = await relay.ingest([], poll=[])  # first contact made
         relay._aggregator = handle = FakeHandle(agg, fail_first=5)  # now it fails five times
         for it in range(3):
             await relay.ingest(pickle.dumps([packed(rk.step(it)) for rk in ranks]))
         with pytest.raises(RelayBusy):  # 6 queued: past max_queue the relay refuses, the outbox keeps them
             await relay.ingest(pickle.dumps([packed(ranks[0].step(3))]))
         await _until(lambda: agg.asm.last_emitted == 2)
-        return agg, handle, relay
+        # a failed call may have run with its acks lost: the relay took a new identity, so ranks re-send
+        stale = await relay.ingest([], expect=[first["aggregator_id"], first["epoch"]])
+        return agg, handle, relay, stale
 
-    agg, handle, relay = asyncio.run(body())
+    agg, handle, relay, stale = asyncio.run(body())
+    assert stale["stale"]
     assert handle.ingest.fail_left == 0 and sum(handle.ingest.sizes) == 6 and not relay.queue
     assert agg.asm.counts["messages"] == 6 and all(r["complete"] for r in agg.buffer.since(-1))
 

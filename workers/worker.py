@@ -15,6 +15,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import ray
@@ -148,14 +149,13 @@ class RankWorker:
                                  enable_partial_reuse=s.enable_partial_reuse, enable_stats=s.enable_stats,
                                  gpu_memory_fraction=s.gpu_memory_fraction, dtype=dtype)
         self.kv = KVCacheManager(kv_cfg)
-        from aggregator import RankOutbox, aggregator_name, relay_name  # only a rank that reports needs it
+        from aggregator.outbox import RankOutbox, resolve_sink  # only a rank that reports needs it
 
-        try:  # through this node's relay (the engine starts one per node), else straight to the aggregator
-            handle = ray.get_actor(relay_name(s.engine_id, ray.get_runtime_context().get_node_id()))
-        except ValueError:
-            handle = ray.get_actor(aggregator_name(s.engine_id))
+        # through this node's relay (the engine starts one per node), else straight to the aggregator
+        resolve = partial(resolve_sink, s.engine_id, ray.get_runtime_context().get_node_id())
+        handle = resolve()
         ray.get(handle.health.remote())  # connect now, so the first iteration's delta is not late
-        self.outbox = RankOutbox(s.engine_id, handle=handle)
+        self.outbox = RankOutbox(s.engine_id, handle=handle, resolve=resolve)
         lo, hi = 1, s.max_seq_len
         while lo < hi:  # the longest request one rank can hold alone
             mid = (lo + hi + 1) // 2
