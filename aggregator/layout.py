@@ -43,7 +43,6 @@ from .fields import (
     hit_rate,
 )
 
-KINDS = ("tp0", "tpn", "gauges")
 GAUGES_AND_PEAKS = GAUGE_FIELDS + PEAK_FIELDS
 GAUGE_VIEWS = (WINDOW_VIEW, POOL_VIEW)
 # the views whose buckets a row of each kind lands in (life-cycle buckets carry no bytes, so a tp rank > 0
@@ -51,7 +50,6 @@ GAUGE_VIEWS = (WINDOW_VIEW, POOL_VIEW)
 KIND_VIEWS = {"tp0": VIEWS, "tpn": GAUGE_VIEWS, "gauges": GAUGE_VIEWS}
 # static fields a layout keeps per bucket (the pool-group view also lists its window sizes)
 LAYOUT_FIELDS = {**STATIC_FIELDS, POOL_VIEW: STATIC_FIELDS[POOL_VIEW] + ("windowSizes",)}
-PACKED_FIELDS = ("layout", "counters", "gauges")
 MAX_CACHED = 256
 _GETTERS = {fs: itemgetter(*fs) for fs in (*VIEW_COUNTERS.values(), GAUGES_AND_PEAKS)}
 
