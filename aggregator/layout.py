@@ -12,11 +12,12 @@ garbage collector walking them); a packed one ~6 us, because bytes are one untra
 (bench/aggregator_bench.py compares both through the actor).
 
 The aggregator parses each distinct layout string once (cached), checks a message's rows against it at
-ingest and merges an iteration as a C-speed column sum of the rows of each layout. Each layout says which
-slots a row adds to, by kind: `tp0` (every counter: a tp rank 0 message), `tpn` (byte counters of the window
-and pool-group views: other tp ranks move only their own shards) and `gauges`. A message in the dict form (`report`, as
-DESIGN.md names it) is packed on arrival; a bucket that is not a dict or a value that is not a number raises
-`LayoutError`, so the message is rejected at ingest with the reason.
+ingest and merges an iteration as a C-speed column sum of the rows of each layout; `Layout.views` turns sums
+into finished buckets. Each layout says which slots a row adds to, by kind: `tp0` (every counter: a tp rank
+0 message), `tpn` (byte counters of the window and pool-group views: other tp ranks move only their own
+shards) and `gauges`. A message in the dict form (`report`, as DESIGN.md names it) is packed on arrival; a
+bucket that is not a dict or a value that is not an integer raises `LayoutError`, so the message is
+rejected at ingest with the reason.
 """
 
 from __future__ import annotations
