@@ -72,6 +72,8 @@ class KVCache:
             n, self._nodes, partial = mgr._match(self._root, tokens, len(tokens) - 1)
             if n:
                 self._adopt(n, partial)
+            if self._nodes:
+                self._nodes[-1].tails += 1  # we publish under it: it stays in the tree while we live
         self.num_reused_tokens = n
         self._history = n
         self._tokens = tokens[:n]
@@ -209,10 +211,14 @@ class KVCache:
                 if src.tier == 0:
                     c[COPY] += 1
                     c[COPY_BYTES] += nbytes
-                else:
+                    self._add_segment(lc, o, o + 1, SEG_PLAIN)
+                else:  # an onboard: its allocation is recorded with it, as _onboard does, never left pending
                     c[ONBOARD] += 1
                     c[ONBOARD_BYTES] += nbytes
-                self._add_segment(lc, o, o + 1, SEG_PLAIN)
+                    c[ALLOC_TOTAL] += 1
+                    c[ALLOC_NEW] += 1
+                    mgr._totals[0] += 1
+                    mgr._totals[1] += 1
         self._partial_src = False
 
     def suspend(self) -> None:
@@ -336,11 +342,19 @@ class KVCache:
         parent = self._nodes[o - 1] if o else self._root
         end = min((o + 1) * B, self._history)
         node = parent.child(tuple(self._tokens[o * B:end]), len(self._pages))
+        node.tails += 1  # the new tail keeps our chain attached (see Node.tails)
+        if self._nodes:
+            self._nodes[-1].tails -= 1
         for lc, pages in enumerate(self._pages):
             page = pages[o] if o < len(pages) else None
             if page is not None and page.node is None and node.pages[lc] is None:
                 node.pages[lc] = page
                 page.node = node
+            if o and parent.pages[lc] is None:  # the parent's first publisher's page was dropped: give it ours
+                mine = pages[o - 1] if o - 1 < len(pages) else None
+                if mine is not None and mine.node is None:
+                    parent.pages[lc] = mine
+                    mine.node = parent
         self._nodes.append(node)
 
     def commit_pending_stats(self) -> KVCacheStatsDelta:
@@ -404,6 +418,10 @@ class KVCache:
                 page = pages.pop()
                 if page is not None:
                     mgr._release(page, self._active)
+        if self._nodes:
+            tail = self._nodes[-1]
+            tail.tails -= 1
+            tail.prune()  # only if its pages were dropped while we held it as our tail
         self._active = False
         self._closed = True
         mgr._dirty = True

@@ -131,18 +131,22 @@ class KVCacheManager:
 
     def fits(self, num_tokens: int, chunk_tokens: int | None = None) -> bool:
         """Whether one request of `num_tokens` can ever be held on the primary tier (prefill chunked by
-        `chunk_tokens`, which bounds what a sliding window holds at once)."""
+        `chunk_tokens`, which bounds what a sliding window holds at once).
+
+        With partial reuse, a request that matched part of a block holds that block's source page until its
+        first resume() has copied it into a private slot: one more slot per life cycle at that moment."""
         B = self.tokens_per_block
         nb = -(-num_tokens // B)
         chunk = num_tokens if chunk_tokens is None else chunk_tokens
+        copy = 1 if self.config.enable_block_reuse and self.config.enable_partial_reuse else 0
         for pg, pool in zip(self.pool_groups, self._primary, strict=True):
             need = 0
             for i in pg.life_cycles:
                 lc = self.life_cycles[i]
                 if lc.window_size is None:
-                    need += nb
+                    need += nb + copy
                 else:
-                    need += min(nb, lc.sink_blocks + (lc.window_size + chunk) // B + 2)
+                    need += min(nb, lc.sink_blocks + (lc.window_size + chunk) // B + 2) + copy
             if need > pool.num_slots:
                 return False
         return True
@@ -264,9 +268,11 @@ class KVCacheManager:
 
     # ---- reuse tree -------------------------------------------------------------------------------------
     def _root(self, salt) -> Node:
-        root = self._roots.get(salt)
+        # keyed by type and value: salts 1, True and 1.0 compare equal but are different tenants
+        key = (type(salt), salt)
+        root = self._roots.get(key)
         if root is None:
-            root = self._roots[salt] = Node((), None, len(self.life_cycles))
+            root = self._roots[key] = Node((), None, len(self.life_cycles))
         return root
 
     def _match(self, root: Node, tokens: list, limit: int) -> tuple[int, list[Node], Node | None]:

@@ -8,7 +8,7 @@ that life cycle's page was dropped or never stored, e.g. stale sliding-window bl
 
 
 class Node:
-    __slots__ = ("tokens", "parent", "children", "by_first", "pages", "depth")
+    __slots__ = ("tokens", "parent", "children", "by_first", "pages", "depth", "tails")
 
     def __init__(self, tokens: tuple, parent: "Node | None", num_life_cycles: int) -> None:
         self.tokens = tokens
@@ -17,6 +17,10 @@ class Node:
         self.by_first: dict[int, list[Node]] = {}  # first token -> children, for partial matching
         self.pages: list = [None] * num_life_cycles
         self.depth = 0 if parent is None else parent.depth + 1  # block ordinal + 1; root is 0
+        # live caches whose last published (or matched) block this is: they publish their next block under
+        # it, so it must stay attached to the tree even when its pages are dropped (its ancestors stay
+        # because it is their descendant)
+        self.tails = 0
 
     def child(self, tokens: tuple, num_life_cycles: int) -> "Node":
         node = self.children.get(tokens)
@@ -42,9 +46,10 @@ class Node:
         return best, best_len
 
     def prune(self) -> None:
-        """Remove this node and its empty ancestors once they hold no page and no child."""
+        """Remove this node and its empty ancestors once they hold no page, no child and no live cache's tail."""
         node = self
-        while node.parent is not None and not node.children and all(p is None for p in node.pages):
+        while (node.parent is not None and not node.children and not node.tails
+               and all(p is None for p in node.pages)):
             parent = node.parent
             del parent.children[node.tokens]
             siblings = parent.by_first[node.tokens[0]]
