@@ -11,6 +11,7 @@ engine never reuses an iteration number.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -24,6 +25,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
+from .errors import EngineError, RequestError, RequestFailed, one_line
 from .loader import load_tokenizer
 from .sampling import SamplingParams
 from .worker import NewRequest, RankSpec, RankWorker, StepPlan, StepResult, Work
@@ -33,23 +35,32 @@ log = logging.getLogger("kvfleet.engine")
 SETUP_TIMEOUT_S = 600.0
 
 
-class RequestError(ValueError):
-    """Bad input for the engine (an HTTP 400): the message says what is wrong, `code` is machine-readable."""
-
-    def __init__(self, message: str, code: str = "invalid_request") -> None:
-        super().__init__(message)
-        self.message = message
-        self.code = code
-
-
-class EngineError(RuntimeError):
-    """The engine cannot serve (a rank died, or it is shutting down)."""
+def first_iteration(last_emitted: int | None) -> int:
+    """The iteration a (re)started engine begins with: one past what its aggregator already emitted."""
+    return 0 if last_emitted is None else max(0, int(last_emitted) + 1)
 
 
 @dataclass
 class TokenEvent:
     token_id: int
     finish_reason: str | None = None  # "stop" | "length" | None
+
+
+@dataclass
+class _StepFailure:
+    """A rank's step raised: `rank_gone` when the actor itself is dead or unreachable."""
+
+    rank: int
+    error: BaseException
+
+    @property
+    def rank_gone(self) -> bool:
+        return isinstance(self.error, ray.exceptions.RayActorError)
+
+
+# A step in which no request ran (every scheduled one found no room) is retried after this pause, doubling up
+# to the maximum, or as soon as something changes (a request arrives, finishes or is aborted): never a busy loop.
+NO_PROGRESS_PAUSE_S = (0.001, 0.25)
 
 
 @dataclass
@@ -78,6 +89,7 @@ class _Group:
     waiting: deque = field(default_factory=deque)
     running: list = field(default_factory=list)
     to_close: list = field(default_factory=list)
+    down: str | None = None  # why the group no longer steps (one of its ranks is gone)
 
     @property
     def load(self) -> int:
@@ -112,7 +124,8 @@ class Engine:
         self._pgs: list = []
         self._groups = [_Group() for _ in range(settings.dp)]
         self._requests: dict[str, _Request] = {}
-        self._wake = asyncio.Event()
+        self._wake = asyncio.Event()  # set while there may be work; cleared only when no group has any
+        self._changed = asyncio.Event()  # a request arrived, finished or left since the last step began
         self._loop_task: asyncio.Task | None = None
         self._ids = itertools.count()
 
@@ -131,7 +144,7 @@ class Engine:
                 f"a stats aggregator for engine {s.engine_id!r} already runs with world_size "
                 f"{health['world_size']} and tp {health['tp']}, but this engine has {self.world_size} ranks "
                 f"(tp {s.tp}): use another engine_id, or stop the old engine first")
-        self.iteration = max(0, int(health.get("last_iter") or -1) + 1)
+        self.iteration = first_iteration(health.get("last_iter"))
         actor_cls = ray.remote(RankWorker)
         for dp in range(s.dp):
             bundle = {"CPU": s.num_cpus_per_rank, **({"GPU": 1} if device == "cuda" else {})}
@@ -181,11 +194,19 @@ class Engine:
         new = [NewRequest(f"warmup-{dp}", prompt, params, None, warmup=True) for dp in range(self.settings.dp)]
         plans = [StepPlan(-1, [new[dp]], [Work(new[dp].request_id, len(prompt))], record=False)
                  for dp in range(self.settings.dp)]
-        results = await self._step_all(plans)
+        results = await self._warm_up_step(plans)
         plans = [StepPlan(-1, [], [Work(new[dp].request_id, 1, results[dp].ran[new[dp].request_id][1])],
                           record=False) for dp in range(self.settings.dp)]
-        await self._step_all(plans)
-        await self._step_all([StepPlan(-1, close=[n.request_id], record=False) for n in new])
+        await self._warm_up_step(plans)
+        await self._warm_up_step([StepPlan(-1, close=[n.request_id], record=False) for n in new])
+
+    async def _warm_up_step(self, plans: list[StepPlan]) -> list[StepResult]:
+        results = await self._step_all(plans)
+        for res in results:
+            if isinstance(res, _StepFailure) or res.failed:
+                why = one_line(res.error) if isinstance(res, _StepFailure) else next(iter(res.failed.values()))
+                raise EngineError(f"warm-up step failed: {why}")
+        return results
 
     async def shutdown(self) -> None:
         if self._loop_task is not None:
@@ -208,6 +229,12 @@ class Engine:
         self.workers, self.relays, self._pgs = [], [], []
 
     # ---- requests ----------------------------------------------------------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        """The longest request (prompt + completion) served: max_seq_len, or less when one rank's KV cache
+        holds less. Advertised by /v1/models and enforced here, so a request is never silently cut short."""
+        return min(self.max_seq_len, self.max_request_tokens)
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestError for a request that must never reach a rank."""
         n = len(prompt_token_ids)
@@ -215,15 +242,13 @@ class Engine:
             raise RequestError("the prompt is empty", "empty_prompt")
         if self.vocab_size and any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
             raise RequestError(f"prompt token ids must be in [0, {self.vocab_size})", "invalid_prompt")
-        if n + params.max_tokens > self.max_seq_len:
+        limit = self.max_model_len
+        if n + params.max_tokens > limit:
+            why = "" if limit == self.max_seq_len else " (the most one rank's KV cache holds)"
             raise RequestError(
-                f"This model's maximum context length is {self.max_seq_len} tokens. However, you requested "
+                f"This model's maximum context length is {limit} tokens{why}. However, you requested "
                 f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} in the completion).",
                 "context_length_exceeded")
-        if n + 1 > self.max_request_tokens:
-            raise RequestError(
-                f"the prompt of {n} tokens cannot fit the KV cache of one rank, which holds requests of at most "
-                f"{self.max_request_tokens} tokens", "context_length_exceeded")
 
     async def generate(self, request_id: str | None, prompt_token_ids: list[int], params: SamplingParams,
                        cache_salt: str | None = None) -> AsyncIterator[TokenEvent]:
@@ -236,12 +261,14 @@ class Engine:
             raise RequestError(f"request id {rid!r} is already running", "duplicate_request_id")
         if params.seed is None and not params.greedy:  # one seed for every tp rank of the group
             params = dataclasses.replace(params, seed=random.getrandbits(63))
-        max_new = min(params.max_tokens, self.max_request_tokens - len(prompt_token_ids))
-        req = _Request(rid, list(prompt_token_ids), params, cache_salt, max_new)
-        req.dp = min(range(len(self._groups)), key=lambda g: self._groups[g].load)
+        up = [dp for dp, g in enumerate(self._groups) if g.down is None]
+        if not up:
+            raise EngineError("every dp group is down")
+        req = _Request(rid, list(prompt_token_ids), params, cache_salt, params.max_tokens)
+        req.dp = min(up, key=lambda dp: self._groups[dp].load)
         self._groups[req.dp].waiting.append(req)
         self._requests[rid] = req
-        self._wake.set()
+        self._poke()
         try:
             while True:
                 ev = await req.queue.get()
@@ -265,7 +292,7 @@ class Engine:
         if req in group.running:
             group.running.remove(req)
             group.to_close.append(req.id)
-            self._wake.set()
+            self._poke()
         log.info("request %s aborted after %d tokens", request_id, len(req.generated))
 
     async def health(self) -> dict[str, Any]:
@@ -273,36 +300,101 @@ class Engine:
             raise EngineError(self.error)
         return {"ok": True, "ranks": self.world_size, "iteration": self.iteration, "steps": self.steps,
                 "running": sum(len(g.running) for g in self._groups),
-                "waiting": sum(len(g.waiting) for g in self._groups)}
+                "waiting": sum(len(g.waiting) for g in self._groups),
+                "down_groups": {str(dp): g.down for dp, g in enumerate(self._groups) if g.down is not None}}
 
     # ---- the step loop -----------------------------------------------------------------------------------------
+    def _poke(self) -> None:
+        self._wake.set()
+        self._changed.set()
+
     async def _loop(self) -> None:
+        pause = 0.0
         while True:
             await self._wake.wait()
-            plans = [self._plan(g) for g in self._groups]
-            if not any(p.new or p.work or p.close for p in plans):
+            plans = [None if g.down else self._plan(g) for g in self._groups]
+            if not any(p is not None and (p.new or p.work or p.close) for p in plans):
                 self._wake.clear()
                 continue
             for p in plans:
-                p.iteration = self.iteration
-            try:
-                results = await self._step_all(plans)
-            except Exception as e:  # a rank died or failed: nothing can be served consistently any more
-                self.error = f"rank step failed at iteration {self.iteration}: {e}"
-                log.error("engine %s stopped: %s", self.settings.engine_id, self.error)
-                self._fail_all(EngineError(self.error))
-                return
+                if p is not None:
+                    p.iteration = self.iteration
+            self._changed.clear()
+            results = await self._step_all(plans)
             self.iteration += 1
             self.steps += 1
-            for g, res in zip(self._groups, results, strict=True):
-                self._apply(g, res)
+            progress = False
+            for dp, res in enumerate(results):
+                if isinstance(res, _StepFailure):
+                    self._group_failed(dp, res)
+                    progress = True
+                elif res is not None:
+                    progress = progress or bool(res.ran or res.failed)
+                    self._apply(self._groups[dp], res)
+            if self.error:
+                return
+            if progress:
+                pause = 0.0
+                continue
+            lo, hi = NO_PROGRESS_PAUSE_S
+            pause = min(max(2 * pause, lo), hi)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), pause)
 
-    async def _step_all(self, plans: list[StepPlan]) -> list[StepResult]:
-        """Step every rank with its group's plan; returns tp rank 0's result per group."""
+    async def _step_all(self, plans: list[StepPlan | None]) -> list[StepResult | _StepFailure | None]:
+        """Step every rank of each group that has a plan. Per group: tp rank 0's result (with every tp rank's
+        failed requests), or the failure of a rank whose step raised (a dead rank first), or None."""
         tp = self.settings.tp
-        refs = [w.step.remote(plans[rank // tp]) for rank, w in enumerate(self.workers)]
-        results = await asyncio.gather(*refs)
-        return [results[dp * tp] for dp in range(len(plans))]
+        ranks = [rank for rank in range(len(self.workers)) if plans[rank // tp] is not None]
+        outs = await asyncio.gather(*[self.workers[r].step.remote(plans[r // tp]) for r in ranks],
+                                    return_exceptions=True)
+        results: list = [None] * len(plans)
+        for rank, out in zip(ranks, outs, strict=True):
+            dp, cur = rank // tp, results[rank // tp]
+            if isinstance(out, BaseException):
+                fail = _StepFailure(rank, out)
+                if not isinstance(cur, _StepFailure) or (fail.rank_gone and not cur.rank_gone):
+                    results[dp] = fail
+            elif cur is None:
+                results[dp] = out
+            elif isinstance(cur, StepResult):
+                cur.failed.update(out.failed)
+        return results
+
+    def _group_failed(self, dp: int, failure: _StepFailure) -> None:
+        """A dead rank takes its dp group down (the others go on); any other step error fails the group's
+        running requests, which are closed on every rank, and the group steps on."""
+        g = self._groups[dp]
+        why = one_line(failure.error)
+        if not failure.rank_gone:
+            log.error("dp group %d: step of rank %d raised, failing %d running requests: %s", dp, failure.rank,
+                      len(g.running), why)
+            for req in list(g.running):
+                self._finish_failed(g, req, RequestFailed(f"generation failed: {why}"))
+            return
+        g.down = f"rank {failure.rank} is gone ({type(failure.error).__name__})"
+        log.error("dp group %d is down: %s", dp, g.down)
+        error = EngineError(f"dp group {dp} is down: {g.down}")
+        for req in list(g.waiting) + list(g.running):
+            req.done = True
+            self._requests.pop(req.id, None)
+            req.queue.put_nowait(error)
+        g.waiting.clear()
+        g.running.clear()
+        g.to_close.clear()
+        if all(other.down for other in self._groups):
+            self.error = "every dp group is down: " + "; ".join(
+                f"group {i}: {other.down}" for i, other in enumerate(self._groups))
+            self._fail_all(EngineError(self.error))
+
+    def _finish_failed(self, g: _Group, req: _Request, error: BaseException) -> None:
+        req.done = True
+        self._requests.pop(req.id, None)
+        if req in g.running:
+            g.running.remove(req)
+        g.to_close.append(req.id)  # a tp rank that did not fail it still holds it
+        self._poke()
+        req.queue.put_nowait(error)
 
     def _plan(self, g: _Group) -> StepPlan:
         s = self.settings
@@ -333,7 +425,11 @@ class Engine:
         return plan
 
     def _apply(self, g: _Group, res: StepResult) -> None:
-        eos = self.tokenizer.eos_token_id
+        eos = self.tokenizer.eos_token_ids  # any of them stops a request (Llama-3 has two, SmolLM2 has two)
+        for rid, why in res.failed.items():
+            req = self._requests.get(rid)
+            if req is not None and not req.done:
+                self._finish_failed(g, req, RequestFailed(f"request {rid} failed: {why}"))
         for rid, reused in res.reused.items():
             req = self._requests.get(rid)
             if req is not None:
@@ -353,7 +449,7 @@ class Engine:
             req.generated.append(token)
             p = req.params
             reason = None
-            if (not p.ignore_eos and token == eos) or token in p.stop_token_ids:
+            if (not p.ignore_eos and token in eos) or token in p.stop_token_ids:
                 reason = "stop"
             elif len(req.generated) >= req.max_new:
                 reason = "length"
@@ -364,7 +460,7 @@ class Engine:
                 self._requests.pop(rid, None)
                 g.running.remove(req)
                 g.to_close.append(rid)
-                self._wake.set()
+                self._poke()
             req.queue.put_nowait(TokenEvent(token, reason))
 
     def _fail_all(self, error: BaseException) -> None:

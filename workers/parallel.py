@@ -118,6 +118,17 @@ def _wait_for_listener(addr: str, port: int, deadline: float, rank: int) -> None
             time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
 
 
+def group_min(value: int, tp: TPGroup) -> int:
+    """The smallest `value` over the tp group (every rank must call it): ranks of one group must agree on
+    sizes they derive from their own device (free memory), or their block decisions diverge."""
+    if tp.group is None:
+        return value
+    device = torch.device("cuda", torch.cuda.current_device()) if tp.backend == "nccl" else torch.device("cpu")
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=tp.group)
+    return int(t.item())
+
+
 def destroy_tp_group() -> None:
     """Tear down the default process group if one exists (idempotent)."""
     if dist.is_initialized():

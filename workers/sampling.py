@@ -1,7 +1,7 @@
 """Sampling parameters and the sampler: greedy, temperature, top-k, top-p, per-request seeded generators.
 
 `sample` works on a batch of logits rows, one `SamplingParams` and one optional `torch.Generator` per row.
-Temperature 0 is greedy (argmax; ties go to the lowest id). Otherwise logits are divided by the
+Temperature 0 (or below 1e-5) is greedy (argmax; ties go to the lowest id). Otherwise logits are divided by the
 temperature, cut to the top-k, then to the smallest set whose probability reaches top_p (the most likely
 token always stays), and one token is drawn with the row's generator, so a seeded request draws the same
 tokens whatever else shares its batch. Filtering is batched; rows without a generator share one draw from the
@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # below this, logits / temperature overflow to inf and sampling is argmax anyway (as vLLM does)
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     def make_generator(self, device: str | torch.device = "cpu") -> torch.Generator | None:
         """A generator seeded with `seed` on `device`, or None when the request has no seed."""

@@ -25,7 +25,7 @@ from kvcache import KVCacheManager
 
 from .loader import kv_cache_config, load_model
 from .model import SeqInput
-from .parallel import free_port, init_tp_group, node_ip
+from .parallel import TPGroup, free_port, group_min, init_tp_group, node_ip
 from .sampling import SamplingParams, sample
 
 log = logging.getLogger("kvfleet.worker")
@@ -101,6 +101,21 @@ class StepResult:
     suspended: list[str]  # preempted by suspend(): their blocks may go to the host tier
     reused: dict[str, int]  # new request id -> tokens reused from the prefix cache
     step_s: float
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> why; the rank has dropped it
+
+
+def build_kv_cache(spec: RankSpec, cfg: Any, device: str, dtype: torch.dtype, tp_group: TPGroup) -> KVCacheManager:
+    """This rank's KV cache manager, with the primary pool size agreed over the tp group: on CUDA each rank
+    sizes its pool from its own free memory, and ranks of one group must hold equal block counts to make
+    identical block decisions, so all take the smallest."""
+    s = spec
+    kv_cfg = kv_cache_config(cfg, s.tp, tokens_per_block=s.tokens_per_block, max_seq_len=s.max_seq_len,
+                             kv_cache_bytes=s.kv_cache_bytes, host_cache_bytes=s.host_cache_bytes,
+                             device=device, enable_block_reuse=s.enable_block_reuse,
+                             enable_partial_reuse=s.enable_partial_reuse, enable_stats=s.enable_stats,
+                             gpu_memory_fraction=s.gpu_memory_fraction, dtype=dtype)
+    kv_cfg.gpu_cache_bytes = group_min(kv_cfg.gpu_cache_bytes, tp_group)
+    return KVCacheManager(kv_cfg)
 
 
 class _Req:
@@ -139,16 +154,11 @@ class RankWorker:
     def setup(self, master_addr: str, master_port: int, timeout_s: float = 120.0) -> dict[str, Any]:
         """Join the tp group, load the model shard and build the KV cache; returns the cache's reach."""
         s = self.spec
-        init_tp_group(s.tp_rank, s.tp, master_addr, master_port, timeout_s=timeout_s, device=self.device)
+        tp_group = init_tp_group(s.tp_rank, s.tp, master_addr, master_port, timeout_s=timeout_s, device=self.device)
         dtype = DTYPES[s.dtype]
         self.model, cfg = load_model(s.model or None, tp_rank=s.tp_rank, tp_size=s.tp, device=self.device,
                                      dtype=dtype, seed=s.seed, max_seq_len=s.max_seq_len)
-        kv_cfg = kv_cache_config(cfg, s.tp, tokens_per_block=s.tokens_per_block, max_seq_len=s.max_seq_len,
-                                 kv_cache_bytes=s.kv_cache_bytes, host_cache_bytes=s.host_cache_bytes,
-                                 device=self.device, enable_block_reuse=s.enable_block_reuse,
-                                 enable_partial_reuse=s.enable_partial_reuse, enable_stats=s.enable_stats,
-                                 gpu_memory_fraction=s.gpu_memory_fraction, dtype=dtype)
-        self.kv = KVCacheManager(kv_cfg)
+        self.kv = build_kv_cache(s, cfg, self.device, dtype, tp_group)
         from aggregator.outbox import RankOutbox, resolve_sink  # only a rank that reports needs it
 
         # through this node's relay (the engine starts one per node), else straight to the aggregator
@@ -172,7 +182,10 @@ class RankWorker:
 
     # ---- the step -------------------------------------------------------------------------------------------
     def step(self, plan: StepPlan) -> StepResult:
+        """One iteration. A request that raises (bad input, a sampler error) fails alone: it is dropped here
+        and named in `failed`, and the step goes on for the others."""
         t0 = time.perf_counter()
+        failed: dict[str, str] = {}
         for rid in plan.close:
             req = self.reqs.pop(rid, None)
             if req is not None and req.kv is not None:
@@ -180,7 +193,11 @@ class RankWorker:
         reused = {}
         for new in plan.new:
             req = self.reqs[new.request_id] = _Req(new, self.device)
-            self._open(req)
+            try:
+                self._open(req)
+            except Exception as e:
+                self._fail(req, e, failed)
+                continue
             reused[req.id] = req.kv.num_reused_tokens
         order = [w for w in plan.work if w.request_id in self.reqs]
         for w in order:
@@ -189,22 +206,55 @@ class RankWorker:
         runs, deferred, recomputed, suspended = self._make_room(order)
         ran: dict[str, tuple[int, int | None]] = {}
         if runs:
-            seqs = [SeqInput(tokens, req.kv.history_length, req.kv) for req, tokens in runs]
-            logits = self.model(seqs, self.kv)
-            done = [i for i, (req, tokens) in enumerate(runs)
-                    if req.kv.history_length + len(tokens) == len(req.tokens)]
-            sampled = {}
-            if done:
-                toks = sample(torch.stack([logits[i] for i in done]), [runs[i][0].params for i in done],
-                              [runs[i][0].generator for i in done])
-                sampled = dict(zip(done, toks, strict=True))
+            try:
+                seqs = [SeqInput(tokens, req.kv.history_length, req.kv) for req, tokens in runs]
+                logits = self.model(seqs, self.kv)
+            except Exception as e:  # no way to tell whose input broke the batch: fail what ran in it
+                for req, _ in runs:
+                    self._fail(req, e, failed)
+                runs = []
+            sampled = self._sample(runs, logits, failed) if runs else {}
             for i, (req, tokens) in enumerate(runs):
+                if req.id in failed:
+                    continue
                 req.kv.commit(tokens)
                 req.kv.commit_pending_stats()
                 ran[req.id] = (req.kv.history_length, sampled.get(i))
         if plan.record and self.spec.enable_stats:
             self._report(plan.iteration)
-        return StepResult(plan.iteration, ran, deferred, recomputed, suspended, reused, time.perf_counter() - t0)
+        return StepResult(plan.iteration, ran, deferred, recomputed, suspended, reused, time.perf_counter() - t0,
+                          failed)
+
+    def _sample(self, runs: list, logits: list[torch.Tensor], failed: dict[str, str]) -> dict[int, int]:
+        """A token for each run whose prompt is now complete; a row the batched sampler cannot take is
+        retried alone, so only the request that causes an error fails."""
+        done = [i for i, (req, tokens) in enumerate(runs) if req.kv.history_length + len(tokens) == len(req.tokens)]
+        if not done:
+            return {}
+        try:
+            toks = sample(torch.stack([logits[i] for i in done]), [runs[i][0].params for i in done],
+                          [runs[i][0].generator for i in done])
+            return dict(zip(done, toks, strict=True))
+        except Exception:
+            pass
+        sampled = {}
+        for i in done:
+            req = runs[i][0]
+            try:
+                sampled[i] = sample(logits[i][None], [req.params], [req.generator])[0]
+            except Exception as e:
+                self._fail(req, e, failed)
+        return sampled
+
+    def _fail(self, req: _Req, error: Exception, failed: dict[str, str]) -> None:
+        """Drop a request whose step raised; the engine fails it with this one-line reason."""
+        lines = str(error).strip().splitlines()
+        failed[req.id] = why = f"{type(error).__name__}: {lines[0] if lines else ''}"
+        log.warning("rank %d: request %s failed: %s", self.spec.rank, req.id, why)
+        self.reqs.pop(req.id, None)
+        if req.kv is not None:
+            req.kv.close()
+            req.kv = None
 
     def _open(self, req: _Req) -> None:
         """(Re)create the request's cache from every token it has: a recomputed request reuses its blocks."""

@@ -1,0 +1,81 @@
+"""The real Engine over in-process ranks (no Ray): each rank is a RankWorker whose step runs in the loop."""
+
+import asyncio
+import dataclasses
+import types
+
+import torch
+
+from deployment.settings import Settings
+from workers.engine import Engine
+from workers.loader import load_model
+from workers.parallel import TPGroup
+from workers.worker import RankSpec, RankWorker, build_kv_cache
+
+_MODEL: dict = {}
+
+
+class LocalRank:
+    """A rank called like an actor handle (`rank.step.remote(plan)`); `fail(plan)` may raise to inject faults."""
+
+    def __init__(self, worker: RankWorker) -> None:
+        self.worker = worker
+        self.fail = None
+
+        async def step(plan):
+            await asyncio.sleep(0)
+            if self.fail is not None:
+                self.fail(plan)
+            return worker.step(plan)
+
+        self.step = types.SimpleNamespace(remote=step)
+
+
+def make_rank(s: Settings, rank: int) -> RankWorker:
+    fields = {f.name for f in dataclasses.fields(RankSpec)}
+    same = fields - {"rank", "device", "dtype", "num_threads"}
+    spec = RankSpec(**{k: v for k, v in s.model_dump().items() if k in same}, rank=rank, device="cpu",
+                    dtype="float32", num_threads=1)
+    w = RankWorker(spec)
+    if "random" not in _MODEL:
+        _MODEL["random"] = load_model(None, seed=s.seed, max_seq_len=s.max_seq_len)
+    w.model, cfg = _MODEL["random"]
+    w.kv = build_kv_cache(spec, cfg, "cpu", torch.float32, TPGroup(spec.tp_rank, 1, None, "", 0))
+    w.outbox = types.SimpleNamespace(put=lambda message: None)
+    return w
+
+
+def longest_request(w: RankWorker) -> int:
+    n = w.spec.max_seq_len
+    while not w.kv.fits(n, w.spec.max_num_batched_tokens):
+        n -= 1
+    return n
+
+
+async def make_engine(**overrides) -> Engine:
+    """An engine stepping in the running loop; `engine.ranks` are the LocalRanks, `engine.rank_workers` theirs."""
+    base = dict(engine_id="local", dp=1, tp=1, device="cpu", max_seq_len=256, kv_cache_bytes=512 << 10,
+                host_cache_bytes=0, max_num_batched_tokens=48, seed=0, tokens_per_block=16)
+    s = Settings(**{**base, **overrides})
+    eng = Engine(s)
+    eng.rank_workers = [make_rank(s, r) for r in range(s.dp * s.tp)]
+    eng.workers = [LocalRank(w) for w in eng.rank_workers]
+    eng.max_request_tokens = min(longest_request(w) for w in eng.rank_workers)
+    eng.vocab_size = eng.rank_workers[0].model.config.vocab_size
+    eng._loop_task = asyncio.get_running_loop().create_task(eng._loop())
+    return eng
+
+
+async def generate(eng: Engine, prompt: list[int], **params) -> list[int]:
+    from workers.sampling import SamplingParams
+
+    return [ev.token_id async for ev in eng.generate(None, prompt, SamplingParams(**params))]
+
+
+async def settled(eng: Engine) -> None:
+    """Until the engine has nothing left to step (the closes of finished requests included)."""
+    for _ in range(10_000):
+        if not eng._wake.is_set():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the engine kept stepping")
