@@ -4,7 +4,9 @@ Every non-2xx body is `{"error": {"message", "type", "code", "param"}}`. Bad inp
 field, an unknown route or rank) is rejected here, before anything reaches a rank.
 """
 
+import json
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -42,12 +44,29 @@ class APIError(Exception):
         self.type = type_ or _TYPE_BY_STATUS.get(status, fallback)
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def clean_message(text: object) -> str:
+    """The first line of an error's text without terminal colour codes: what a client may see of a failure
+    (never a Ray traceback)."""
+    lines = _ANSI.sub("", str(text)).strip().splitlines()
+    return lines[0] if lines else ""
+
+
+class ErrorResponse(JSONResponse):
+    """JSON with non-ASCII escaped, so an error that quotes the input (even a lone surrogate) always encodes."""
+
+    def render(self, content: object) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
 def error_body(message: str, type_: str, code: str | None = None, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "code": code, "param": param}}
 
 
 def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(error_body(err.message, err.type, err.code, err.param), status_code=err.status)
+    return ErrorResponse(error_body(err.message, err.type, err.code, err.param), status_code=err.status)
 
 
 def validation_message(errors: list[dict]) -> tuple[str, str | None, str | None]:

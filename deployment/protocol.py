@@ -15,8 +15,31 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 MAX_STOP_STRINGS = 4
 
 
+def _check_unicode(value: Any) -> None:
+    """Raise for a string (or key) that is not valid Unicode: a lone UTF-16 surrogate, which JSON's \\u escapes
+    can carry but no tokenizer can encode and no response can quote."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("text must be valid Unicode (it holds a lone surrogate code point)") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_unicode(k)
+            _check_unicode(v)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            _check_unicode(v)
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        _check_unicode(data)
+        return data
 
 
 class StreamOptions(_Strict):

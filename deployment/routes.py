@@ -18,9 +18,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from deployment import protocol
 from deployment.detokenize import TextStream
-from deployment.errors import APIError, error_body, install_error_handlers
+from deployment.errors import APIError, ErrorResponse, clean_message, error_body, install_error_handlers
 from deployment.hub import StatsHub
 from deployment.settings import Settings
+from workers.errors import EngineError, RequestError, RequestFailed
 
 logger = logging.getLogger("kvfleet.deployment")
 
@@ -62,6 +63,21 @@ def _request_error(exc: Exception) -> APIError:
     return APIError(400, message, code=getattr(exc, "code", None) or "invalid_request")
 
 
+def _engine_error(exc: Exception) -> APIError:
+    """What a client sees of a failure past validation: one clean line, never a traceback."""
+    if isinstance(exc, EngineError):
+        return APIError(503, f"the engine cannot serve: {clean_message(str(exc))}", code="engine_unavailable")
+    if isinstance(exc, RequestFailed):
+        return APIError(500, clean_message(str(exc)), code="request_failed")
+    return APIError(500, f"generation failed: {type(exc).__name__}", code="internal_error")
+
+
+async def _until_disconnected(request: Request) -> None:
+    """Returns when the client has gone away (only a disconnect can follow a fully read request body)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 class Usage:
     def __init__(self, prompt_tokens: int) -> None:
         self.prompt_tokens = prompt_tokens
@@ -88,11 +104,7 @@ def create_api(engine: Any, stats: StatsSource, settings: Settings,
     hub = StatsHub(stats, keepalive_s)
     api.state.hub = hub
     if request_errors is None:
-        from workers.engine import EngineError, RequestError
-
-        request_errors, unavailable_errors = (RequestError,), (EngineError,)
-    else:
-        unavailable_errors = ()
+        request_errors = (RequestError,)
 
     # ---- generation ----
 
@@ -102,10 +114,10 @@ def create_api(engine: Any, stats: StatsSource, settings: Settings,
                            code="model_not_found", param="model")
 
     async def prepare(req: protocol._SamplingRequest, prompt_ids: list[int]) -> tuple[Any, int]:
-        n_prompt, limit = len(prompt_ids), engine.max_seq_len
+        n_prompt, limit = len(prompt_ids), engine.max_model_len
         if n_prompt >= limit:
             raise APIError(400, f"prompt is {n_prompt} tokens; this model allows at most {limit - 1} prompt "
-                           f"tokens (max_seq_len {limit} includes the completion)",
+                           f"tokens (its maximum context length {limit} includes the completion)",
                            code="context_length_exceeded", param="prompt")
         max_tokens = req.max_tokens
         if max_tokens is None:
@@ -127,7 +139,10 @@ def create_api(engine: Any, stats: StatsSource, settings: Settings,
         return params, max_tokens
 
     def encode_prompt(prompt: str | list[int]) -> list[int]:
-        ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        try:
+            ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        except ValueError as exc:
+            raise APIError(400, f"prompt: {exc}", code="invalid_prompt", param="prompt") from None
         if not ids:
             raise APIError(400, "prompt encodes to no tokens", code="invalid_prompt", param="prompt")
         vocab = getattr(engine, "vocab_size", None) or getattr(engine.tokenizer, "vocab_size", None)
@@ -182,9 +197,27 @@ def create_api(engine: Any, stats: StatsSource, settings: Settings,
                 finish = reason or finish
         except request_errors as exc:
             raise _request_error(exc) from None
-        except unavailable_errors as exc:
-            raise APIError(503, f"the engine cannot serve: {exc}", code="engine_unavailable") from None
+        except Exception as exc:
+            if not isinstance(exc, EngineError | RequestFailed):
+                logger.exception("generation failed")
+            raise _engine_error(exc) from None
         return "".join(parts), finish
+
+    async def respond(request: Request, gen: AsyncIterator[tuple[str, str | None]],
+                      build: Callable[[str, str], dict]) -> Response:
+        """A non-streamed answer; a client that leaves first aborts the engine's request (as a stream does)."""
+        work = asyncio.ensure_future(collect(gen))
+        gone = asyncio.ensure_future(_until_disconnected(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()  # closes `gen`, whose finally aborts the engine's request
+        if not work.done() or work.cancelled():
+            return Response(status_code=499)  # nobody is there to read it
+        text, finish = work.result()
+        return JSONResponse(build(text, finish))
 
     def sse_json(obj: dict) -> str:
         return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
@@ -194,14 +227,17 @@ def create_api(engine: Any, stats: StatsSource, settings: Settings,
             async for chunk in chunks:
                 yield chunk
         except Exception as exc:  # the response has started: report in-band, as OpenAI does
-            logger.exception("generation failed mid-stream")
-            err = (_request_error(exc) if isinstance(exc, request_errors)
-                   else APIError(500, f"generation failed: {type(exc).__name__}", "internal_error"))
+            if isinstance(exc, request_errors):
+                err = _request_error(exc)
+            else:
+                if not isinstance(exc, EngineError | RequestFailed):
+                    logger.exception("generation failed mid-stream")
+                err = _engine_error(exc)
             yield sse_json(error_body(err.message, err.type, err.code))
         yield "data: [DONE]\n\n"
 
     @api.post("/v1/completions")
-    async def completions(req: protocol.CompletionRequest) -> Response:
+    async def completions(req: protocol.CompletionRequest, request: Request) -> Response:
         check_model(req.model)
         ids = encode_prompt(req.prompt)
         params, _ = await prepare(req, ids)
@@ -209,9 +245,8 @@ def create_api(engine: Any, stats: StatsSource, settings: Settings,
         use = Usage(len(ids))
         gen = run(rid, ids, params, req.stop_strings, use)
         if not req.stream:
-            text, finish = await collect(gen)
-            return JSONResponse(protocol.completion_response(rid, model, text, finish,
-                                                             use.as_dict()))
+            return await respond(request, gen, lambda text, finish: protocol.completion_response(
+                rid, model, text, finish, use.as_dict()))
 
         async def chunks() -> AsyncIterator[str]:
             async for delta, finish in gen:
@@ -223,7 +258,7 @@ def create_api(engine: Any, stats: StatsSource, settings: Settings,
         return StreamingResponse(stream_body(chunks()), media_type="text/event-stream", headers=SSE_HEADERS)
 
     @api.post("/v1/chat/completions")
-    async def chat_completions(req: protocol.ChatCompletionRequest) -> Response:
+    async def chat_completions(req: protocol.ChatCompletionRequest, request: Request) -> Response:
         check_model(req.model)
         ids = encode_chat(req)
         params, _ = await prepare(req, ids)
@@ -231,9 +266,8 @@ def create_api(engine: Any, stats: StatsSource, settings: Settings,
         use = Usage(len(ids))
         gen = run(rid, ids, params, req.stop_strings, use)
         if not req.stream:
-            text, finish = await collect(gen)
-            return JSONResponse(protocol.chat_response(rid, model, text, finish,
-                                                       use.as_dict()))
+            return await respond(request, gen, lambda text, finish: protocol.chat_response(
+                rid, model, text, finish, use.as_dict()))
 
         async def chunks() -> AsyncIterator[str]:
             first = {"role": "assistant", "content": ""}
@@ -252,7 +286,7 @@ def create_api(engine: Any, stats: StatsSource, settings: Settings,
     @api.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "kvfleet", "max_model_len": engine.max_seq_len}]}
+                                            "owned_by": "kvfleet", "max_model_len": engine.max_model_len}]}
 
     # ---- statistics ----
 
@@ -306,10 +340,10 @@ def create_api(engine: Any, stats: StatsSource, settings: Settings,
             eng, agg = await asyncio.wait_for(
                 asyncio.gather(_maybe_await(engine.health()), stats.health()), HEALTH_TIMEOUT_S)
         except Exception as exc:
-            reason = "timed out" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
+            reason = "timed out" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {clean_message(exc)}"
             logger.warning("health check failed: %s", reason)
-            return JSONResponse(error_body(f"unhealthy: {reason}", "service_unavailable", "unhealthy"),
-                                status_code=503)
+            return ErrorResponse(error_body(f"unhealthy: {reason}", "service_unavailable", "unhealthy"),
+                                 status_code=503)
         return JSONResponse({"status": "ok", "engine": eng, "aggregator": agg})
 
     return api

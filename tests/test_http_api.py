@@ -22,6 +22,7 @@ from deployment.client import StatsClient, StatsError
 from deployment.routes import create_api
 from deployment.settings import Settings
 from deployment.sse import SSEDecoder
+from workers.errors import EngineError, RequestFailed
 from workers.tokenizer import ByteTokenizer
 
 EOS = ByteTokenizer.eos_token_id
@@ -51,10 +52,12 @@ class Params:
 
 
 class FakeEngine:
-    """Replies REPLY over and over; 'EOS' in the prompt ends with eos after one reply; 'SLOW' is slow."""
+    """Replies REPLY over and over; 'EOS' in the prompt ends with eos after one reply; 'SLOW' is slow; 'DOWN'
+    and 'FAIL' raise the engine's errors after one token (a dead dp group, a request that failed on a rank)."""
 
     tokenizer = ByteTokenizer()
     max_seq_len = 128
+    max_model_len = 128
 
     def __init__(self) -> None:
         self.started: list[str] = []
@@ -88,6 +91,10 @@ class FakeEngine:
                     done = True
                     yield TokenEvent(EOS, "stop")
                     return
+                if i == 1 and "DOWN" in prompt:
+                    raise EngineError("dp group 1 is down: rank 1 is gone (ActorDiedError)")
+                if i == 1 and "FAIL" in prompt:
+                    raise RequestFailed("request r failed: RuntimeError: \x1b[31mboom\x1b[0m\nTraceback (most recent")
                 last = i == params.max_tokens - 1
                 done = last
                 yield TokenEvent(reply[i % len(reply)], "length" if last else None)
@@ -289,6 +296,12 @@ BAD_INPUTS = [
     ("chat bad role", "/v1/chat/completions", {"messages": [{"role": "god", "content": "x"}]}, 400, None),
     ("chat unknown model", "/v1/chat/completions",
      {"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}, 404, "model_not_found"),
+    ("prompt lone surrogate", "/v1/completions", b'{"prompt": "hi \\udfff"}', 400, None),
+    ("model lone surrogate", "/v1/completions", b'{"prompt": "hi", "model": "\\udfff"}', 400, None),
+    ("field named with a lone surrogate", "/v1/completions", b'{"prompt": "hi", "\\udfff": 1}', 400, None),
+    ("stop lone surrogate", "/v1/completions", b'{"prompt": "hi", "stop": ["\\ud800"]}', 400, None),
+    ("chat content lone surrogate", "/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}', 400, None),
     ("chat max tokens disagree", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "max_completion_tokens": 3}, 400, None),
 ]
@@ -441,3 +454,48 @@ def test_loadgen_reports_the_run(server, capsys):
     # every request finished one fake step of 3 allocated / 1 reused / 1 offloaded block
     assert "hit rate over the run: 33.3% (blocks reused 6, missed 12)" in out
     assert f"blocks offloaded to the host tier: 6 (over {len(server.stats.records) - before} iteration" in out
+
+
+def test_models_advertise_the_limit_the_routes_enforce(http):
+    (model,) = http.get("/v1/models").json()["data"]
+    limit = model["max_model_len"]
+    ok = http.post("/v1/completions", json={"prompt": [65] * (limit - 4), "max_tokens": 4})
+    assert ok.status_code == 200, ok.text
+    _assert_openai_error(http.post("/v1/completions", json={"prompt": [65] * (limit - 4), "max_tokens": 5}),
+                         400, "context_length_exceeded")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_engine_failures_are_clean_errors(http, stream):
+    """A down group is 503 engine_unavailable, a failed request 500 request_failed: one line, no colour
+    codes or traceback; in-band as an SSE error event once a stream has started."""
+    expected = {"DOWN": (503, "engine_unavailable"), "FAIL": (500, "request_failed")}
+    for word, (status, code) in expected.items():
+        body = {"prompt": f"{word} now", "max_tokens": 5, "stream": stream}
+        if not stream:
+            err = _assert_openai_error(http.post("/v1/completions", json=body), status, code)
+        else:
+            with http.stream("POST", "/v1/completions", json=body) as resp:
+                assert resp.status_code == 200
+                dec, events = SSEDecoder(), []
+                for line in resp.iter_lines():
+                    ev = dec.feed(line)
+                    if ev is not None:
+                        events.append(ev.data)
+            assert events[-1] == "[DONE]"
+            err = json.loads(events[-2])["error"]
+            assert err["code"] == code
+        assert "\x1b" not in err["message"] and "Traceback" not in err["message"], err
+    assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_disconnect_aborts_non_streaming_request(server):
+    started = len(server.engine.started)
+    with httpx.Client(base_url=server.url, timeout=0.5) as c, pytest.raises(httpx.ReadTimeout):
+        c.post("/v1/completions", json={"prompt": "SLOW", "max_tokens": 100})
+    rid = server.engine.started[started]
+    deadline = time.monotonic() + 10
+    while rid not in server.engine.aborted:
+        assert time.monotonic() < deadline, "the engine request was not aborted after the client left"
+        time.sleep(0.02)
+    assert rid not in server.engine.finished

@@ -186,7 +186,10 @@ class HFTokenizer:
         )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        try:
+            return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        except TypeError as e:  # the Rust tokenizer's answer to text that is not valid Unicode
+            raise ValueError(f"cannot tokenize the text: {e}") from None
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -198,18 +201,22 @@ class HFTokenizer:
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list")
         msgs = [{"role": r, "content": c} for r, c in (_message_text(i, m) for i, m in enumerate(messages))]
-        if self._template is None:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise_template_error
-            self._template = env.from_string(self.chat_template)
-        return self._template.render(
-            messages=msgs,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self._bos_token,
-            eos_token=self._eos_token,
-        )
+        try:
+            if self._template is None:
+                env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+                env.globals["raise_exception"] = _raise_template_error
+                self._template = env.from_string(self.chat_template)
+            return self._template.render(
+                messages=msgs,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self._bos_token,
+                eos_token=self._eos_token,
+            )
+        except TemplateError as e:  # a template that fails on these messages (undefined names, sandbox)
+            raise ValueError(f"chat template: {type(e).__name__}: {e}") from None
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """Render the chat (with a generation prompt) and encode it without doubling a BOS that the
