@@ -123,3 +123,23 @@ def test_hf_without_template_or_eos(tmp_path, hf_dir):
     assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "<|user|>\nx\n<|assistant|>\n"
     with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
         HFTokenizer.from_dir(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize("template", [
+    "{{ messages[0].content | no_such_filter }}",  # TemplateAssertionError at compile time
+    "{{ messages[0].content.__class__.__mro__ }}",  # SecurityError from the sandbox
+    "{{ undefined_thing.attr }}",  # UndefinedError at render time
+    "{% for m in messages %}",  # TemplateSyntaxError
+])
+def test_a_chat_template_that_fails_is_a_value_error(hf_dir, template):
+    cfg = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = template
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="chat template"):
+        load_tokenizer(str(hf_dir)).apply_chat_template([{"role": "user", "content": "hello"}])
+
+
+def test_text_that_is_not_unicode_is_a_value_error(hf_dir):
+    for tok in (load_tokenizer(str(hf_dir)), ByteTokenizer()):
+        with pytest.raises(ValueError):
+            tok.encode("hello \udfff")
