@@ -1,34 +1,20 @@
-"""aggregator: merges every rank's KV cache stats deltas into one cluster-wide kvCacheIterationStats stream.
+"""aggregator: one engine's cluster-wide KV cache statistics, merged from every rank's per-iteration delta.
 
-Layout: `fields` (SPEC field names), `layout` (the packed wire form: a report as a layout string and int64
-rows), `merge` (pure merge rules), `assembler` (pure: pending iterations, emission, late deltas, dedupe,
-acks), `buffer` (record ring), `actor` (the StatsAggregator Ray actor), `outbox` (rank side), `relay` (one
-per node, between the ranks and the aggregator), `metrics` (Prometheus text).
+Modules, lowest first:
+- `fields`: the spec's field names and which view carries which.
+- `delta`: what crosses actor boundaries: a rank's `RankLayout` (once per incarnation), its `RankDelta`
+  (one packed int64 row per iteration) and the engine's `Iteration` (every delta of one step).
+- `merge`: the merge rules of one iteration (tp dedup, dp sums, tpDivergence), pure.
+- `assembler`: records from iterations: dedupe, cumulative totals, the TensorRT-LLM fields, checkpoint state.
+- `buffer`: the ring of records readers page through; `metrics`: Prometheus text.
+- `actor`: the `StatsAggregator` Ray actor (ingest, readers, restart from its checkpoint).
 
-Path of a rank's delta: RankOutbox (in the rank; keeps it until acknowledged) -> its node's StatsRelay (one
-call per rank per iteration) -> StatsAggregator (one call per node per flush, a pickled batch of packed
-messages) -> records. What one aggregator costs (bench/aggregator_bench.py, 2-core build machine): Ray's
-fixed ~1 ms of actor CPU per call, plus ~20-45 us per message (about 10 to unpickle, the rest validating,
-deduping and merging: ~210 Python opcodes per message in 1024-message batches at 64 ranks). So it takes
-20-36k messages/s when batches are large, which the relays produce by themselves: a relay keeps one call
-in flight, so its batches grow exactly when the aggregator is busy.
-
-Scaling past one actor, a tree: the relays are its first stage, but they only batch. The next step is
-to make each node stage merge as well: one aggregator per node merges its local ranks (the merge is
-associative: counters add, gauges and peaks of different dp groups add, tp groups never span nodes when
-tp <= GPUs per node) and forwards one pre-merged delta per iteration, shaped like a rank message whose rows
-are the node's sums and whose `kv_cache_stats` is the node's cumulative sum; the top aggregator then sees
-N_nodes messages per iteration instead of N_ranks, O(nodes) work per iteration, and each node stage is
-O(ranks per node), which the bench's 8-rank rows measure. What that adds: at the top the tp rule becomes
-'all counters are final' (node messages carry tp_rank 0), a node's incomplete iteration is forwarded with
-its missing ranks so the top record can name them, per-rank records stay on the nodes (the top keeps
-node records), and the two timeouts nest (node timeout < top timeout) so a slow rank does not make a
-whole node look missing. That merging stage is described, not built.
+A delta's path: a rank's `step()` returns it with its step result; the engine forwards each iteration's
+deltas in one `ingest` call (one in flight) and keeps them until acknowledged.
 """
 
 from .actor import StatsAggregator, StatsAggregatorImpl, aggregator_name, get_or_create_aggregator
-from .outbox import RankOutbox
-from .relay import StatsRelay, StatsRelayImpl, relay_name
+from .delta import Iteration, RankDelta, RankLayout
 
-__all__ = ["RankOutbox", "StatsAggregator", "StatsAggregatorImpl", "StatsRelay", "StatsRelayImpl", "aggregator_name",
-           "get_or_create_aggregator", "relay_name"]
+__all__ = ["Iteration", "RankDelta", "RankLayout", "StatsAggregator", "StatsAggregatorImpl", "aggregator_name",
+           "get_or_create_aggregator"]

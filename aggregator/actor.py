@@ -1,40 +1,21 @@
-"""StatsAggregator: the Ray actor (async) around the iteration assembler, one per engine.
+"""StatsAggregator: the Ray actor around the assembler, one per engine.
 
-What it adds to `assembler.py`: a ring buffer of cluster records read by cursor (`query`, never removing
-anything), a long poll for any number of live subscribers (`wait_records`), a background task that emits
-timed-out iterations, rank health, Prometheus text, and surviving its own restart:
-- Ray restarts it (`max_restarts=-1`) and retries calls in flight (`max_task_retries=-1`);
-- ranks re-send every message not yet acknowledged (acks come once a message's counters are emitted);
-- a small checkpoint in Ray's GCS key-value store, written before each batch of records is published:
-  epoch, last emitted iteration, which (incarnation, seq) are already counted, and the per-rank cumulative
-  snapshots. It is keyed by the actor id, so only a restart of this very actor reads it (a new actor of the
-  same name starts clean). After a restart `aggregatorEpoch` is one higher, buffered records are gone,
-  re-sent messages that were already emitted are acknowledged and ignored, the rest are merged (into their
-  own iteration, or as late deltas when it was emitted before), and the cluster's cumulative `kvCacheStats`
-  continue from the checkpoint, so they never go backwards.
-The checkpoint is written only when records are emitted, and at most once per `checkpoint_interval_s` (its
-pickling and GCS round trip cost O(ranks) each): iterations that become due sooner stay pending until the
-interval is over, then leave together under one checkpoint. Emission (`poll`: records built, their messages'
-acks staged), the checkpoint write and publication remain one step with no await between them, so deferring
-only moves when records appear: no record is visible and no message acknowledged before a checkpoint that
-counts it exists, exactly as before. At 20 iterations/s records are 50 ms apart, longer than the interval,
-so nothing waits; a burst waits at most the interval.
-The one window left: records published in the instant between the checkpoint write and a reader's fetch
-die with the buffer (their counts are in the cumulative totals, not in any record a reader saw).
-
-Garbage-collector pauses were the emission lag's tail: an automatic gen-2 pass walks every object the
-actor holds (the rank detail ring alone keeps ~9 tracked objects per rank message: 300k at 64 ranks) and
-took 50-300 ms whenever the survivors grew by a quarter, i.e. every few seconds. In a Ray actor
-(`manage_gc`) automatic gen-2 passes are off (gens 0 and 1 keep running) and a full pass runs right after a
-publication at most every `FULL_GC_INTERVAL_S`, so the stream sees one such pause per interval instead.
-The aggregator's data is acyclic (freed by reference counting), so little waits for that pass.
-(Serialising the ring instead costs ~15 us per message, as much as the whole merge.)
+The engine calls `ingest` with the iterations it stepped (in order, one call in flight) and keeps each
+iteration's deltas until a reply acknowledges it. What the actor adds to `assembler.py`: the ring buffer of
+cluster records read by cursor (`query`, never removing anything), a long poll for any number of readers
+(`wait_records`), rank health, Prometheus text, and surviving its own restart:
+- Ray restarts it (`max_restarts=-1`) and retries the call in flight (`max_task_retries=-1`);
+- before replying, `ingest` writes a small checkpoint to Ray's GCS key-value store (epoch, last emitted
+  iteration, the cumulative totals), and the reply acknowledges only what that checkpoint covers; the
+  registered layouts are stored there too, once per registration;
+- a restarted actor (same actor id) restores both, with `aggregatorEpoch` one higher; the engine sees the new
+  epoch in a reply and re-sends every iteration not yet acknowledged. Buffered records are gone; the
+  cumulative `kvCacheStats` continue from the checkpoint, so they never go backwards.
 """
 
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import pickle
 import time
@@ -43,36 +24,24 @@ from typing import Any
 
 import ray
 
-from .assembler import IterationAssembler
+from .assembler import Assembler
 from .buffer import RecordBuffer
-from .layout import report_of
-from .merge import POOL_VIEW, VIEW_COUNTERS, VIEWS, WINDOW_VIEW
+from .delta import Iteration, RankDelta, RankLayout
+from .fields import POOL_VIEW, VIEW_COUNTERS, WINDOW_VIEW
 from .metrics import render_metrics
 
 log = logging.getLogger("kvfleet.aggregator")
 _KV_NAMESPACE = "kvfleet"
 WAIT_LIMIT = 1000  # most records one wait_records call returns
-FULL_GC_INTERVAL_S = 300.0  # with manage_gc: the one full collection per this many seconds
 
 
 def aggregator_name(engine_id: str) -> str:
     return f"kvfleet-stats-{engine_id}"
 
 
-def rank_record(m: dict[str, Any]) -> dict[str, Any]:
-    """A rank's own record (the `ranks` entries of a cluster record, and /stats/ranks)."""
-    report = report_of(m)
-    return {
-        "iter": m["iteration"], "rank": m["rank"], "dpRank": m["dp_rank"], "tpRank": m["tp_rank"],
-        "incarnation": m["incarnation"], "seq": m["seq"], "timestamp": m.get("timestamp"),
-        **({"iterations": list(m["iterations"])} if "iterations" in m else {}),
-        "kvCacheStats": m.get("kv_cache_stats"),
-        **{view: report.get(view, {}) for view in VIEWS},
-    }
-
-
 class _Checkpoint:
-    """The few numbers an aggregator restart must not lose, in Ray's GCS key-value store."""
+    """What an aggregator restart must not lose, in Ray's GCS key-value store (keyed by the actor id, so only a
+    restart of this very actor reads it; a new actor of the same name starts clean)."""
 
     def __init__(self, engine_id: str) -> None:
         from ray.experimental import internal_kv
@@ -81,181 +50,98 @@ class _Checkpoint:
         self.actor_id = ray.get_runtime_context().get_actor_id() if self._kv else None
         self.key = f"stats-checkpoint/{engine_id}/{self.actor_id}" if self.actor_id else None
 
-    def load(self) -> dict[str, Any] | None:
-        if not self.key:
-            return None
-        raw = self._kv._internal_kv_get(self.key, namespace=_KV_NAMESPACE)
+    def load(self, part: str) -> Any:
+        raw = self._kv._internal_kv_get(f"{self.key}/{part}", namespace=_KV_NAMESPACE) if self.key else None
         return pickle.loads(raw) if raw else None
 
-    def save(self, state: dict[str, Any]) -> None:
+    def save(self, part: str, value: Any) -> None:
         if self.key:
-            self._kv._internal_kv_put(self.key, pickle.dumps(state, protocol=5), True, namespace=_KV_NAMESPACE)
+            self._kv._internal_kv_put(f"{self.key}/{part}", pickle.dumps(value, protocol=5), True,
+                                      namespace=_KV_NAMESPACE)
 
 
 class StatsAggregatorImpl:
     """The actor's body; `StatsAggregator` is this class made a Ray actor."""
 
     def __init__(self, engine_id: str, world_size: int, tp: int, buffer_size: int = 10_000,
-                 stats_timeout_s: float = 2.0, rank_detail_records: int = 512,
-                 checkpoint_interval_s: float = 0.02, manage_gc: bool | None = None) -> None:
+                 stats_timeout_s: float = 2.0, rank_detail_records: int = 512, checkpoint: Any = None) -> None:
+        """`checkpoint`: where restarts find their predecessor's state (load/save); default Ray's GCS."""
         self.engine_id, self.world_size, self.tp = engine_id, world_size, tp
         self.timeout = stats_timeout_s
-        self._ckpt = _Checkpoint(engine_id)
-        saved = self._ckpt.load()
-        epoch = saved["epoch"] + 1 if saved else 1
-        self.asm = IterationAssembler(engine_id, world_size, tp, stats_timeout_s, epoch=epoch)
+        self._ckpt = checkpoint if checkpoint is not None else _Checkpoint(engine_id)
+        saved = self._ckpt.load("state")
+        self.asm = Assembler(engine_id, world_size, tp, epoch=saved["epoch"] + 1 if saved else 1)
         if saved:
-            self.asm.restore(saved)
+            self.asm.restore(saved, self._ckpt.load("layouts") or [])
+        self._ckpt.save("state", self.asm.checkpoint())
         self.buffer = RecordBuffer(buffer_size)
-        self.details: OrderedDict[int, list[dict[str, Any]]] = OrderedDict()
+        self.details: OrderedDict[int, list[RankDelta]] = OrderedDict()
         self.rank_detail_records = max(0, min(rank_detail_records, buffer_size))
         self.totals: dict[str, dict[str, dict[str, int]]] = {WINDOW_VIEW: {}, POOL_VIEW: {}}
-        self.checkpoint_interval_s = checkpoint_interval_s
-        self.manage_gc = bool(self._ckpt.actor_id) if manage_gc is None else manage_gc
-        self._last_full_gc = time.monotonic()
-        self.full_gcs = 0
-        if self.manage_gc:  # no automatic gen-2 pass (see the module docstring); gens 0 and 1 unchanged
-            t0, t1, _ = gc.get_threshold()
-            gc.set_threshold(t0, t1, 1_000_000_000)
-        self._last_checkpoint = float("-inf")
-        self._deferred: asyncio.TimerHandle | None = None
-        self._save_checkpoint()
+        self._reported_stats = self.asm.cumulative.stats()
         self._new_records: asyncio.Event | None = None
-        self._wake: asyncio.Event | None = None
-        self._ticker: asyncio.Task | None = None
         self.subscribers = 0
+        self.completed = 0  # requests, over the records of this epoch
         self.started = time.time()
-        log.info("stats aggregator %s up: epoch %d, world_size %d, tp %d, restored=%s",
-                 engine_id, epoch, world_size, tp, bool(saved))
+        log.info("stats aggregator %s up: epoch %d, world_size %d, tp %d, restored=%s", engine_id,
+                 self.asm.epoch, world_size, tp, bool(saved))
 
-    # ---------------------------------------------------------------- internals
+    def _event(self) -> asyncio.Event:
+        if self._new_records is None:
+            self._new_records = asyncio.Event()
+        return self._new_records
 
-    def _ensure_started(self) -> None:
-        if self._ticker is None or self._ticker.done():
-            self._new_records = self._new_records or asyncio.Event()
-            self._wake = self._wake or asyncio.Event()
-            self._ticker = asyncio.get_running_loop().create_task(self._tick())
+    def _reply(self) -> dict[str, Any]:
+        return {"epoch": self.asm.epoch, "acked": self.asm.last_emitted}
 
-    async def _tick(self) -> None:
-        """Emit iterations whose stats_timeout_s ran out; sleeps until the oldest pending one is due."""
-        while True:
-            deadline = self.asm.next_deadline()
-            if deadline is not None and self._ckpt.key:  # not before the checkpoint interval allows a write
-                deadline = max(deadline, self._last_checkpoint + self.checkpoint_interval_s)
-            try:
-                if deadline is None:
-                    self._wake.clear()
-                    await self._wake.wait()
-                else:
-                    await asyncio.sleep(max(0.0, deadline - self.asm.clock()) + 1e-4)
-                self._maybe_publish()
-            except Exception:  # never let the ticker die silently; the next call restarts it
-                log.exception("stats aggregator ticker failed")
-                raise
+    # ---------------------------------------------------------------- the engine's calls
 
-    def _maybe_publish(self) -> None:
-        """Emit and publish what is due, unless the last checkpoint is younger than the interval: then once
-        it is over (see the module docstring)."""
-        if not self.asm.due():
-            return
-        wait = self._last_checkpoint + self.checkpoint_interval_s - time.monotonic()
-        if wait > 0 and self._ckpt.key:
-            if self._deferred is None:
-                self._deferred = asyncio.get_running_loop().call_later(wait, self._run_deferred)
-            return
-        self._publish(self.asm.poll())
+    async def register(self, layouts: list[RankLayout]) -> dict[str, Any]:
+        """Ranks' static layouts (once per incarnation), before their first deltas."""
+        self.asm.register(layouts)
+        self._ckpt.save("layouts", list(self.asm.layouts.values()))
+        return self._reply()
 
-    def _run_deferred(self) -> None:
-        self._deferred = None
-        try:
-            self._maybe_publish()
-        except Exception:  # a timer callback: log, and the next ingest or tick tries again
-            log.exception("stats aggregator deferred publication failed")
+    async def ingest(self, iterations: list[Iteration]) -> dict[str, Any]:
+        """Take iterations (deltas, or object refs of deltas); the reply's `acked` is the newest iteration
+        that a record holds and the checkpoint covers: the engine may forget everything up to it."""
+        for i, it in enumerate(iterations):
+            if isinstance(it, Iteration) and any(isinstance(d, ray.ObjectRef) for d in it.deltas):
+                iterations[i] = Iteration(it.iteration, it.timestamp, list(await asyncio.gather(*it.deltas)),
+                                          it.missing, it.engine)
+        records = self.asm.ingest(iterations)
+        if records:
+            self._reported_stats = records[-1]["kvCacheStats"]
+            self._ckpt.save("state", self.asm.checkpoint())
+            self._publish(records, iterations)
+        return self._reply()
 
-    def _publish(self, records: list[dict[str, Any]]) -> None:
-        if not records:
-            return
-        self._save_checkpoint(records[-1]["kvCacheStats"])
+    def _publish(self, records: list[dict[str, Any]], iterations: list[Iteration]) -> None:
+        deltas = {it.iteration: it.deltas for it in iterations}
         for rec in records:
-            msgs = rec.pop("_rank_messages")
             if self.rank_detail_records:
-                self.details[rec["iter"]] = msgs
+                self.details[rec["iter"]] = deltas[rec["iter"]]
                 while len(self.details) > self.rank_detail_records:
                     self.details.popitem(last=False)
             for view in (WINDOW_VIEW, POOL_VIEW):
-                tv = self.totals[view]
-                for key, b in rec[view].items():
-                    t = tv.get(key)
-                    if t is None:
-                        t = tv[key] = dict.fromkeys(VIEW_COUNTERS[view], 0)
+                totals = self.totals[view]
+                for key, bucket in rec[view].items():
+                    t = totals.setdefault(key, dict.fromkeys(VIEW_COUNTERS[view], 0))
                     for f in VIEW_COUNTERS[view]:
-                        t[f] += b[f]
-            if not rec["complete"]:
-                log.warning("iteration %d emitted incomplete, missing ranks %s", rec["iter"], rec["missingRanks"])
+                        t[f] += bucket[f]
             if rec["tpDivergence"]:
                 log.error("iteration %d: %d tp divergences", rec["iter"], len(rec["tpDivergence"]))
+            if rec["errors"]:
+                log.warning("iteration %d: %s", rec["iter"], rec["errors"][0])
+            self.completed += rec["numCompletedRequests"]
             self.buffer.append(rec)
-        ev, self._new_records = self._new_records, asyncio.Event()
+        ev, self._new_records = self._event(), asyncio.Event()
         ev.set()
-        if self.manage_gc and time.monotonic() - self._last_full_gc >= FULL_GC_INTERVAL_S:
-            self._last_full_gc = time.monotonic()  # after the woken readers have run
-            asyncio.get_running_loop().call_soon(self._full_gc)
 
-    def _full_gc(self) -> None:
-        t0 = time.perf_counter()
-        found = gc.collect()
-        self.full_gcs += 1
-        log.info("full gc: %d unreachable, %.1f ms", found, (time.perf_counter() - t0) * 1e3)
-
-    def _save_checkpoint(self, stats: dict[str, Any] | None = None) -> None:
-        # readers see the cluster kvCacheStats of the last checkpoint only, so a restart never shows less
-        self._reported_stats = stats if stats is not None else self.asm.cumulative.stats()
-        if self._ckpt.key:
-            self._ckpt.save(self.asm.checkpoint())
-            self._last_checkpoint = time.monotonic()
-
-    def _with_ranks(self, rec: dict[str, Any]) -> dict[str, Any]:
-        msgs = self.details.get(rec["iter"])
-        ranks = None if msgs is None else {str(m["rank"]): rank_record(m) for m in msgs}
-        return {**rec, "ranks": ranks}
-
-    # ---------------------------------------------------------------- API (all async)
-
-    async def ingest(self, messages: list[dict[str, Any]] | bytes, poll: list[str] | None = None,
-                     expect: list | None = None) -> dict[str, Any]:
-        """Take rank messages; answer which (incarnation, seq) pairs are now safely emitted. `poll` lists
-        incarnations that send nothing new and only collect their acks. `expect` is the [aggregator_id,
-        epoch] the sender last heard from: if that is not this actor now (it restarted), nothing is taken and
-        the reply says `stale`, so the sender re-sends all it holds unacknowledged, oldest first, instead of
-        letting this batch's newer iterations overtake what the old actor lost.
-
-        `messages` may also be one pickle of the list (what RankOutbox sends): Ray then moves a single
-        buffer instead of encoding and decoding every nested container, about 1.5x the batches/s."""
-        self._ensure_started()
-        me = {"epoch": self.asm.epoch, "aggregator_id": self._ckpt.actor_id}
-        if expect is not None and list(expect) != [me["aggregator_id"], me["epoch"]]:
-            return {**me, "acked": [], "stale": True}
-        if isinstance(messages, bytes | bytearray | memoryview):
-            try:
-                messages = pickle.loads(messages)
-            except Exception as e:
-                raise ValueError(f"ingest: messages bytes are not a pickled list ({type(e).__name__}: {e})") from None
-        if not isinstance(messages, list):
-            messages = [messages]
-        res = self.asm.ingest(messages, poll or ())
-        for rej in res.rejected:
-            log.warning("rejected rank message %d: %s", rej["index"], rej["error"])
-        self._maybe_publish()
-        if self.asm.pending:
-            self._wake.set()
-        out: dict[str, Any] = {**me, "acked": res.acked}
-        if res.rejected:
-            out["rejected"] = res.rejected
-        return out
+    # ---------------------------------------------------------------- readers
 
     async def query(self, since: int = -1, limit: int | None = None, ranks: bool = False) -> list[dict]:
         """Cluster records with iter > since, oldest first; reading removes nothing."""
-        self._ensure_started()
         if not isinstance(since, int) or isinstance(since, bool):
             raise ValueError(f"since must be an int, got {since!r}")
         if limit is not None and (not isinstance(limit, int) or limit < 0):
@@ -263,9 +149,15 @@ class StatsAggregatorImpl:
         recs = self.buffer.since(since, limit)
         return [self._with_ranks(r) for r in recs] if ranks else recs
 
+    def _with_ranks(self, rec: dict[str, Any]) -> dict[str, Any]:
+        deltas = self.details.get(rec["iter"])
+        ranks = None if deltas is None else {
+            str(d.rank): self.asm.rank_record(d, rec["iter"]) for d in deltas
+            if (d.rank, d.incarnation) in self.asm.layouts}
+        return {**rec, "ranks": ranks}
+
     async def wait_records(self, since: int, timeout_s: float) -> list[dict]:
         """Long poll: records with iter > since as soon as there are any, [] after timeout_s."""
-        self._ensure_started()
         deadline = time.monotonic() + max(0.0, float(timeout_s))
         self.subscribers += 1
         try:
@@ -275,26 +167,25 @@ class StatsAggregatorImpl:
                 if recs or left <= 0:
                     return recs
                 try:
-                    await asyncio.wait_for(self._new_records.wait(), left)
+                    await asyncio.wait_for(self._event().wait(), left)
                 except TimeoutError:
                     pass
         finally:
             self.subscribers -= 1
 
     async def ranks(self) -> dict[str, dict[str, Any]]:
-        """Every expected rank's latest record and health (healthy: kept up with the last iteration, or
-        reported within stats_timeout_s)."""
+        """Every rank's latest record and health: healthy = reported in the newest record."""
         now = time.time()
         out = {}
         for r in range(self.world_size):
-            m = self.asm.latest.get(r)
-            seen = self.asm.last_seen.get(r)
-            age = None if seen is None else now - seen
-            healthy = m is not None and (m["iteration"] >= self.asm.last_emitted or age <= self.timeout)
+            latest = self.asm.latest.get(r)
+            d, it, seen = latest if latest else (None, None, None)
             out[str(r)] = {
                 "rank": r, "dp_rank": r // self.tp, "tp_rank": r % self.tp,
-                "incarnation": m["incarnation"] if m else None, "last_seen": seen, "age_s": age,
-                "healthy": healthy, "record": rank_record(m) if m else None,
+                "incarnation": d.incarnation if d else None, "last_seen": seen,
+                "age_s": None if seen is None else now - seen,
+                "healthy": d is not None and r not in self.asm.missing,
+                "record": self.asm.rank_record(d, it) if d else None,
             }
         return out
 
@@ -303,24 +194,18 @@ class StatsAggregatorImpl:
         return dict(self._reported_stats)
 
     async def metrics_text(self) -> str:
-        return render_metrics(await self._metrics_snapshot())
-
-    async def _metrics_snapshot(self) -> dict[str, Any]:
-        return {
-            "epoch": self.asm.epoch, "counts": dict(self.asm.counts), "last_iter": self.asm.last_emitted,
-            "buffered": len(self.buffer), "subscribers": self.subscribers,
-            "pending": len(self.asm.pending), "cluster": self._reported_stats,
-            "latest": self.buffer.latest(), "totals": self.totals, "ranks": await self.ranks(),
-        }
+        snap = {"epoch": self.asm.epoch, "counts": dict(self.asm.counts), "last_iter": self.asm.last_emitted,
+                "buffered": len(self.buffer), "subscribers": self.subscribers, "completed": self.completed,
+                "cluster": self._reported_stats, "latest": self.buffer.latest(), "totals": self.totals,
+                "ranks": await self.ranks()}
+        return render_metrics(snap)
 
     async def health(self) -> dict[str, Any]:
-        self._ensure_started()
         ranks = await self.ranks()
         return {
             "ok": True, "engine_id": self.engine_id, "epoch": self.asm.epoch, "world_size": self.world_size,
-            "tp": self.tp, "last_iter": self.asm.last_emitted, "pending_iterations": len(self.asm.pending),
-            "buffered": len(self.buffer), "oldest_buffered_iter": self.buffer.oldest_iter(),
-            "buffer_size": self.buffer.capacity, "stats_timeout_s": self.timeout,
+            "tp": self.tp, "last_iter": self.asm.last_emitted, "buffered": len(self.buffer),
+            "oldest_buffered_iter": self.buffer.oldest_iter(), "buffer_size": self.buffer.capacity,
             "healthy_ranks": sum(r["healthy"] for r in ranks.values()), "counts": dict(self.asm.counts),
             "uptime_s": time.time() - self.started,
         }
@@ -331,6 +216,6 @@ StatsAggregator = ray.remote(max_restarts=-1, max_task_retries=-1)(StatsAggregat
 
 def get_or_create_aggregator(engine_id: str, world_size: int, tp: int, buffer_size: int = 10_000,
                              stats_timeout_s: float = 2.0, **options: Any) -> ray.actor.ActorHandle:
-    """The engine's aggregator actor, created on first use (named, so ranks find it by engine id)."""
+    """The engine's aggregator actor, created on first use (named, so a new engine finds it by engine id)."""
     opts = {"name": aggregator_name(engine_id), "get_if_exists": True, "num_cpus": 0, **options}
     return StatsAggregator.options(**opts).remote(engine_id, world_size, tp, buffer_size, stats_timeout_s)

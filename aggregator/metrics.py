@@ -19,9 +19,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from .merge import KV_STATS_COUNTERS, KV_STATS_GAUGES, POOL_VIEW, VIEW_COUNTERS, WINDOW_VIEW, hit_rate
+from .fields import KV_STATS_COUNTERS, KV_STATS_GAUGES, POOL_VIEW, VIEW_COUNTERS, WINDOW_VIEW, hit_rate
 
-PREFIX = "kvfleet_"
 RANK_LABELS = ("rank", "dp_rank", "tp_rank")
 _GAUGE_STATES = ("max", "free", "used", "evictable", "peak_free", "peak_used", "peak_evictable")
 
@@ -64,11 +63,14 @@ METRICS: list[tuple[str, str, tuple[str, ...], str]] = [
     ("kvfleet_stats_incomplete_records_total", "counter", (), "records emitted with missing ranks"),
     ("kvfleet_stats_late_deltas_total", "counter", (), "rank deltas folded into a later record"),
     ("kvfleet_stats_tp_divergences_total", "counter", (), "block fields where a tp rank disagreed with tp rank 0"),
-    ("kvfleet_stats_rank_messages_total", "counter", (), "rank messages accepted"),
-    ("kvfleet_stats_duplicate_messages_total", "counter", (), "duplicate rank messages ignored"),
-    ("kvfleet_stats_rejected_messages_total", "counter", (), "malformed rank messages rejected"),
+    ("kvfleet_stats_rank_messages_total", "counter", (), "rank deltas merged"),
+    ("kvfleet_stats_duplicate_messages_total", "counter", (), "rank deltas of iterations already counted, ignored"),
+    ("kvfleet_stats_rejected_messages_total", "counter", (), "malformed rank deltas rejected"),
     ("kvfleet_stats_last_iteration", "gauge", (), "newest emitted iteration"),
-    ("kvfleet_stats_pending_iterations", "gauge", (), "iterations waiting for ranks"),
+    ("kvfleet_requests_running", "gauge", (), "requests running on the ranks (numActiveRequests, newest record)"),
+    ("kvfleet_requests_waiting", "gauge", (), "requests queued in the engine (numQueuedRequests, newest record)"),
+    ("kvfleet_requests_completed_total", "counter", (), "requests completed (numCompletedRequests summed)"),
+    ("kvfleet_iteration_latency_seconds", "gauge", (), "the slowest rank's step (iterLatencyMS, newest record)"),
     ("kvfleet_stats_buffered_records", "gauge", (), "records in the ring buffer"),
     ("kvfleet_stats_subscribers", "gauge", (), "live long-poll subscribers"),
     ("kvfleet_stats_aggregator_epoch", "gauge", (), "aggregator incarnation (1 + restarts)"),
@@ -137,11 +139,15 @@ def collect_families(snap: dict[str, Any]):
     put("kvfleet_stats_incomplete_records_total", counts["incomplete"])
     put("kvfleet_stats_late_deltas_total", counts["late_deltas"])
     put("kvfleet_stats_tp_divergences_total", counts["tp_divergences"])
-    put("kvfleet_stats_rank_messages_total", counts["messages"])
+    put("kvfleet_stats_rank_messages_total", counts["deltas"])
     put("kvfleet_stats_duplicate_messages_total", counts["duplicates"])
     put("kvfleet_stats_rejected_messages_total", counts["rejected"])
     put("kvfleet_stats_last_iteration", snap["last_iter"])
-    put("kvfleet_stats_pending_iterations", snap["pending"])
+    put("kvfleet_requests_completed_total", snap["completed"])
+    if latest:
+        put("kvfleet_requests_running", latest.get("numActiveRequests", 0))
+        put("kvfleet_requests_waiting", latest.get("numQueuedRequests", 0))
+        put("kvfleet_iteration_latency_seconds", latest.get("iterLatencyMS", 0) / 1000)
     put("kvfleet_stats_buffered_records", snap["buffered"])
     put("kvfleet_stats_subscribers", snap["subscribers"])
     put("kvfleet_stats_aggregator_epoch", snap["epoch"])

@@ -10,7 +10,7 @@ from deployment.settings import Settings
 from workers.engine import Engine
 from workers.loader import load_model
 from workers.parallel import TPGroup
-from workers.worker import RankSpec, RankWorker, build_kv_cache
+from workers.worker import RankSpec, RankWorker, build_kv_cache, layout_of
 
 _MODEL: dict = {}
 
@@ -41,7 +41,7 @@ def make_rank(s: Settings, rank: int) -> RankWorker:
         _MODEL["random"] = load_model(None, seed=s.seed, max_seq_len=s.max_seq_len)
     w.model, cfg = _MODEL["random"]
     w.kv = build_kv_cache(spec, cfg, "cpu", torch.float32, TPGroup(spec.tp_rank, 1, None, "", 0))
-    w.outbox = types.SimpleNamespace(put=lambda message: None)
+    w.layout = layout_of(w.kv, spec, w.incarnation)
     return w
 
 

@@ -16,6 +16,7 @@ import dataclasses
 import itertools
 import logging
 import random
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -23,11 +24,14 @@ from typing import Any
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from aggregator.delta import Iteration
 
 from .errors import EngineError, RequestError, RequestFailed, one_line
 from .loader import load_tokenizer
 from .sampling import SamplingParams
+from .stats_channel import StatsChannel
 from .worker import NewRequest, RankSpec, RankWorker, StepPlan, StepResult, Work
 
 log = logging.getLogger("kvfleet.engine")
@@ -114,7 +118,7 @@ class Engine:
         self.max_request_tokens = settings.max_seq_len
         self.vocab_size = 0
         self.aggregator = None
-        self.relays: list[ray.actor.ActorHandle] = []
+        self.stats: StatsChannel | None = None
         self.workers: list = []
         self.rank_info: list[dict] = []
         self.iteration = 0
@@ -128,6 +132,7 @@ class Engine:
         self._changed = asyncio.Event()  # a request arrived, finished or left since the last step began
         self._loop_task: asyncio.Task | None = None
         self._ids = itertools.count()
+        self._completed = 0  # requests finished in the iteration being applied
 
     # ---- lifecycle --------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -166,26 +171,19 @@ class Engine:
                     num_gpus=1 if device == "cuda" else 0, scheduling_strategy=strategy,
                     max_restarts=0).remote(spec))
         addrs = [await self.workers[dp * s.tp].address.remote() for dp in range(s.dp)]
-        self._start_relays({a["node_id"] for a in addrs})
         setups = []
         for dp, addr in enumerate(addrs):
             setups += [w.setup.remote(addr["ip"], addr["port"]) for w in self.workers[dp * s.tp:(dp + 1) * s.tp]]
         self.rank_info = await asyncio.wait_for(asyncio.gather(*setups), SETUP_TIMEOUT_S)
         self.max_request_tokens = min(info["max_request_tokens"] for info in self.rank_info)
         self.vocab_size = self.rank_info[0]["vocab_size"]
+        if s.enable_stats:
+            self.stats = StatsChannel(self.aggregator)
+            await self.stats.register([info["layout"] for info in self.rank_info])
         await self._warm_up()
         self._loop_task = asyncio.get_running_loop().create_task(self._loop())
         log.info("engine %s: %d ranks on %s (%s), iterations from %d, requests up to %d tokens", s.engine_id,
                  self.world_size, device, dtype, self.iteration, self.max_request_tokens)
-
-    def _start_relays(self, node_ids: set[str]) -> None:
-        """One stats relay per node that holds ranks (aggregator/relay.py), before the ranks look for it."""
-        from aggregator import StatsRelay, relay_name
-
-        for node in sorted(node_ids):
-            self.relays.append(StatsRelay.options(
-                name=relay_name(self.settings.engine_id, node), get_if_exists=True, num_cpus=0,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(self.settings.engine_id))
 
     async def _warm_up(self) -> None:
         """A few excluded steps per dp group (first-call costs), recorded nowhere."""
@@ -201,7 +199,7 @@ class Engine:
         await self._warm_up_step([StepPlan(-1, close=[n.request_id], record=False) for n in new])
 
     async def _warm_up_step(self, plans: list[StepPlan]) -> list[StepResult]:
-        results = await self._step_all(plans)
+        results, _, _ = await self._step_all(plans)
         for res in results:
             if isinstance(res, _StepFailure) or res.failed:
                 why = one_line(res.error) if isinstance(res, _StepFailure) else next(iter(res.failed.values()))
@@ -216,7 +214,11 @@ class Engine:
             except (asyncio.CancelledError, Exception):
                 pass
         self._fail_all(EngineError("the engine is shutting down"))
-        for w in self.workers + self.relays:
+        if self.stats is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.stats.drained(), 5.0)
+            await self.stats.close()
+        for w in self.workers:
             try:
                 ray.kill(w)
             except Exception:
@@ -226,7 +228,7 @@ class Engine:
                 remove_placement_group(pg)
             except Exception:
                 pass
-        self.workers, self.relays, self._pgs = [], [], []
+        self.workers, self._pgs = [], []
 
     # ---- requests ----------------------------------------------------------------------------------------------
     @property
@@ -320,9 +322,8 @@ class Engine:
                 if p is not None:
                     p.iteration = self.iteration
             self._changed.clear()
-            results = await self._step_all(plans)
-            self.iteration += 1
-            self.steps += 1
+            results, deltas, missing = await self._step_all(plans)
+            self._completed = 0
             progress = False
             for dp, res in enumerate(results):
                 if isinstance(res, _StepFailure):
@@ -331,6 +332,10 @@ class Engine:
                 elif res is not None:
                     progress = progress or bool(res.ran or res.failed)
                     self._apply(self._groups[dp], res)
+            if self.stats is not None:
+                self.stats.put(Iteration(self.iteration, time.time(), deltas, missing, self._figures(plans)))
+            self.iteration += 1
+            self.steps += 1
             if self.error:
                 return
             if progress:
@@ -341,14 +346,27 @@ class Engine:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), pause)
 
-    async def _step_all(self, plans: list[StepPlan | None]) -> list[StepResult | _StepFailure | None]:
+    def _figures(self, plans: list[StepPlan | None]) -> dict[str, int]:
+        """The engine's request figures of the iteration just stepped (aggregator.delta.ENGINE_FIGURES)."""
+        up = sum(1 for g in self._groups if g.down is None)
+        return {"numActiveRequests": sum(len(g.running) for g in self._groups),
+                "numQueuedRequests": sum(len(g.waiting) for g in self._groups),
+                "numCompletedRequests": self._completed,
+                "numNewActiveRequests": sum(len(p.new) for p in plans if p is not None),
+                "maxNumActiveRequests": up * self.settings.max_num_seqs}
+
+    async def _step_all(self, plans: list[StepPlan | None]) -> tuple[list, list, tuple[int, ...]]:
         """Step every rank of each group that has a plan. Per group: tp rank 0's result (with every tp rank's
-        failed requests), or the failure of a rank whose step raised (a dead rank first), or None."""
+        failed requests), or the failure of a rank whose step raised (a dead rank first), or None; then every
+        rank's stats delta, and the ranks that gave none (not stepped, or failed)."""
         tp = self.settings.tp
         ranks = [rank for rank in range(len(self.workers)) if plans[rank // tp] is not None]
         outs = await asyncio.gather(*[self.workers[r].step.remote(plans[r // tp]) for r in ranks],
                                     return_exceptions=True)
         results: list = [None] * len(plans)
+        deltas = [out.delta for out in outs if isinstance(out, StepResult) and out.delta is not None]
+        reported = {d.rank for d in deltas}
+        missing = tuple(r for r in range(len(self.workers)) if r not in reported)
         for rank, out in zip(ranks, outs, strict=True):
             dp, cur = rank // tp, results[rank // tp]
             if isinstance(out, BaseException):
@@ -359,7 +377,7 @@ class Engine:
                 results[dp] = out
             elif isinstance(cur, StepResult):
                 cur.failed.update(out.failed)
-        return results
+        return results, deltas, missing
 
     def _group_failed(self, dp: int, failure: _StepFailure) -> None:
         """A dead rank takes its dp group down (the others go on); any other step error fails the group's
@@ -457,6 +475,7 @@ class Engine:
                 req.append = token
             else:
                 req.done = True
+                self._completed += 1
                 self._requests.pop(rid, None)
                 g.running.remove(req)
                 g.to_close.append(rid)

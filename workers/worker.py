@@ -4,8 +4,8 @@ Every rank steps every iteration with the plan of its dp group (an idle group ge
 plan says which requests to create, close and run, in priority order; the rank itself finds room in its KV
 cache, preempting the lowest-priority requests when it must (suspend to the host tier when there is one,
 else close and recompute later). tp ranks of one group run the same deterministic code on equal caches, so
-they make identical block decisions. After the step the rank commits the stats of the requests it ran,
-drains its iteration report and hands the delta to its outbox, which sends it without blocking the step.
+they make identical block decisions. After the step the rank commits the stats of the requests it ran and
+returns its iteration delta (aggregator/delta.py) with its step result; the engine forwards it.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import os
 import time
 import uuid
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import ray
 import torch
 
+from aggregator.delta import RankDelta, RankLayout, pack
 from kvcache import KVCacheManager
 
 from .loader import kv_cache_config, load_model
@@ -102,6 +102,7 @@ class StepResult:
     reused: dict[str, int]  # new request id -> tokens reused from the prefix cache
     step_s: float
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why; the rank has dropped it
+    delta: RankDelta | None = None  # this rank's stats of the iteration (None: warm-up, or stats off)
 
 
 def build_kv_cache(spec: RankSpec, cfg: Any, device: str, dtype: torch.dtype, tp_group: TPGroup) -> KVCacheManager:
@@ -116,6 +117,15 @@ def build_kv_cache(spec: RankSpec, cfg: Any, device: str, dtype: torch.dtype, tp
                              gpu_memory_fraction=s.gpu_memory_fraction, dtype=dtype)
     kv_cfg.gpu_cache_bytes = group_min(kv_cfg.gpu_cache_bytes, tp_group)
     return KVCacheManager(kv_cfg)
+
+
+def layout_of(kv: KVCacheManager, spec: RankSpec, incarnation: str) -> RankLayout:
+    """This rank's static stats layout, registered with the aggregator once per incarnation."""
+    report = kv.get_iteration_stats()  # at setup nothing has happened yet: this drains zeros
+    return RankLayout(
+        spec.rank, spec.dp_rank, spec.tp_rank, incarnation,
+        life_cycles=tuple((lc["id"], lc["pool_group"], lc["window_key"], lc["kind"]) for lc in report.life_cycles),
+        pool_groups=tuple((pg.id, pg.slot_bytes, tuple(pg.window_keys)) for pg in report.pool_groups))
 
 
 class _Req:
@@ -138,9 +148,8 @@ class RankWorker:
     def __init__(self, spec: RankSpec) -> None:
         self.spec = spec
         self.incarnation = uuid.uuid4().hex
-        self.seq = 0
         self.reqs: dict[str, _Req] = {}
-        self.model = self.kv = self.outbox = None
+        self.model = self.kv = self.layout = None
         self.device = "cuda:0" if spec.device == "cuda" else "cpu"
         if spec.device == "cpu":
             torch.set_num_threads(max(1, spec.num_threads))
@@ -159,13 +168,7 @@ class RankWorker:
         self.model, cfg = load_model(s.model or None, tp_rank=s.tp_rank, tp_size=s.tp, device=self.device,
                                      dtype=dtype, seed=s.seed, max_seq_len=s.max_seq_len)
         self.kv = build_kv_cache(s, cfg, self.device, dtype, tp_group)
-        from aggregator.outbox import RankOutbox, resolve_sink  # only a rank that reports needs it
-
-        # through this node's relay (the engine starts one per node), else straight to the aggregator
-        resolve = partial(resolve_sink, s.engine_id, ray.get_runtime_context().get_node_id())
-        handle = resolve()
-        ray.get(handle.health.remote())  # connect now, so the first iteration's delta is not late
-        self.outbox = RankOutbox(s.engine_id, handle=handle, resolve=resolve)
+        self.layout = layout_of(self.kv, s, self.incarnation)
         lo, hi = 1, s.max_seq_len
         while lo < hi:  # the longest request one rank can hold alone
             mid = (lo + hi + 1) // 2
@@ -178,7 +181,7 @@ class RankWorker:
                  s.rank, s.dp_rank, s.tp_rank, self.device, stats.max_num_blocks, lo)
         return {"rank": s.rank, "max_request_tokens": lo, "vocab_size": cfg.vocab_size,
                 "max_num_blocks": stats.max_num_blocks, "node_id": ray.get_runtime_context().get_node_id(),
-                "device": self.device, "incarnation": self.incarnation}
+                "device": self.device, "incarnation": self.incarnation, "layout": self.layout}
 
     # ---- the step -------------------------------------------------------------------------------------------
     def step(self, plan: StepPlan) -> StepResult:
@@ -190,7 +193,9 @@ class RankWorker:
             req = self.reqs.pop(rid, None)
             if req is not None and req.kv is not None:
                 req.kv.close()
+        parked = {rid for rid, r in self.reqs.items() if r.kv is not None and not r.kv.is_active}
         reused = {}
+        cached = 0  # tokens the new requests found in the prefix cache
         for new in plan.new:
             req = self.reqs[new.request_id] = _Req(new, self.device)
             try:
@@ -199,6 +204,7 @@ class RankWorker:
                 self._fail(req, e, failed)
                 continue
             reused[req.id] = req.kv.num_reused_tokens
+            cached += 0 if new.warmup else req.kv.num_reused_tokens
         order = [w for w in plan.work if w.request_id in self.reqs]
         for w in order:
             if w.append is not None:
@@ -220,10 +226,17 @@ class RankWorker:
                 req.kv.commit(tokens)
                 req.kv.commit_pending_stats()
                 ran[req.id] = (req.kv.history_length, sampled.get(i))
+        step_s = time.perf_counter() - t0
+        delta = None
         if plan.record and self.spec.enable_stats:
-            self._report(plan.iteration)
-        return StepResult(plan.iteration, ran, deferred, recomputed, suspended, reused, time.perf_counter() - t0,
-                          failed)
+            gen = {w.request_id for w in plan.work if w.append is not None}
+            ctx_tokens = sum(len(tokens) for req, tokens in runs if req.id not in gen)
+            n_gen = sum(1 for req, _ in runs if req.id in gen)
+            sched = [int(step_s * 1e6), len(runs), len(runs) - n_gen, n_gen, len(deferred) + len(suspended),
+                     ctx_tokens, n_gen, len(suspended), sum(1 for req, _ in runs if req.id in parked),
+                     cached, *self._memory()]
+            delta = self._delta(sched)
+        return StepResult(plan.iteration, ran, deferred, recomputed, suspended, reused, step_s, failed, delta)
 
     def _sample(self, runs: list, logits: list[torch.Tensor], failed: dict[str, str]) -> dict[int, int]:
         """A token for each run whose prompt is now complete; a row the batched sampler cannot take is
@@ -308,20 +321,22 @@ class RankWorker:
         req.kv = None
         recomputed.append(req.id)
 
-    def _report(self, iteration: int) -> None:
-        """Drain this iteration's stats and queue the rank message (never blocks on the aggregator)."""
-        s = self.spec
+    def _delta(self, sched: list[int]) -> RankDelta:
+        """Drain this iteration's KV cache stats into one packed row (O(life cycles + pool groups))."""
         report = self.kv.get_iteration_stats()
-        self.outbox.put({
-            "engine_id": s.engine_id, "rank": s.rank, "dp_rank": s.dp_rank, "tp_rank": s.tp_rank,
-            "incarnation": self.incarnation, "iteration": iteration, "seq": self.seq, "timestamp": time.time(),
-            "report": report.to_dict(), "kv_cache_stats": self.kv.get_kv_cache_stats().to_dict(),
-        })
-        self.seq += 1
+        k = self.kv.get_kv_cache_stats()
+        kv_stats = [k.max_num_blocks, k.free_num_blocks, k.used_num_blocks, k.tokens_per_block, k.alloc_total_blocks,
+                    k.alloc_new_blocks, k.reused_blocks, k.missed_blocks]
+        gauges = [pg.primary + pg.secondary for pg in report.pool_groups]
+        return RankDelta(self.spec.rank, self.incarnation, pack(self.layout, report.counters, gauges, kv_stats, sched))
 
-    def flush_stats(self, timeout_s: float = 10.0) -> bool:
-        """Wait until every queued stats message is acknowledged (tests, shutdown)."""
-        return self.outbox.flush(timeout_s) if self.outbox else True
+    def _memory(self) -> list[int]:
+        """(GPU, CPU resident, pinned host) bytes this rank uses: TensorRT-LLM's gpu/cpu/pinnedMemUsage."""
+        gpu = torch.cuda.memory_allocated() if self.device.startswith("cuda") else 0
+        with open("/proc/self/statm", "rb") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        pinned = self.spec.host_cache_bytes if torch.cuda.is_available() else 0
+        return [gpu, rss, pinned]
 
     def kv_snapshot(self) -> dict[str, Any]:
         """Gauges and cumulative counters of this rank's cache, for tests and debugging."""

@@ -1,0 +1,97 @@
+"""What a rank hands over each iteration: one int64 row, read through the rank's static layout.
+
+A rank registers its `RankLayout` once per incarnation (life cycles, pool groups, its place in the cluster);
+every iteration it returns a `RankDelta` with its step result: the drained counters per life cycle, the gauges
+per pool group, its cumulative `kvCacheStats` and its scheduler figures, packed into one int64 array so a
+delta pickles as one small buffer. The layout says where each part sits in the row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvcache.stats import COUNTER_KEYS, NUM_COUNTERS
+
+NUM_GAUGES = 14  # primary then secondary: max, free, used, evictable, peak free, peak used, peak evictable
+# cumulative kvCacheStats as ints (the hit rate is derived)
+KV_STATS = ("maxNumBlocks", "freeNumBlocks", "usedNumBlocks", "tokensPerBlock", "allocTotalBlocks",
+            "allocNewBlocks", "reusedBlocks", "missedBlocks")
+# the rank's own figures for the iteration (TensorRT-LLM iteration-stats names where one exists)
+SCHED = ("stepUs", "numScheduledRequests", "numContextRequests", "numGenRequests", "numPausedRequests",
+         "numCtxTokens", "numGenTokens", "iterSuspendedRequests", "iterResumedRequests", "iterCachedTokens",
+         "gpuMemUsage", "cpuMemUsage", "pinnedMemUsage")
+KV_STATS_INDEX = {k: i for i, k in enumerate(KV_STATS)}
+SCHED_INDEX = {k: i for i, k in enumerate(SCHED)}
+assert len(COUNTER_KEYS) == NUM_COUNTERS
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """A rank's static stats layout. `life_cycles`: (id, pool group, window key, kind) each; `pool_groups`:
+    (id, slot bytes, window keys) each. Ranks with equal `shape` merge as one block of rows."""
+
+    rank: int
+    dp_rank: int
+    tp_rank: int
+    incarnation: str
+    life_cycles: tuple[tuple[int, int, str, str], ...]
+    pool_groups: tuple[tuple[int, int, tuple[int, ...]], ...]
+    shape: tuple = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", (self.life_cycles, self.pool_groups))
+
+    @property
+    def num_counters(self) -> int:
+        return len(self.life_cycles) * NUM_COUNTERS
+
+    @property
+    def row_size(self) -> int:
+        return self.num_counters + len(self.pool_groups) * NUM_GAUGES + len(KV_STATS) + len(SCHED)
+
+    def parts(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(counters [.., lc, 15], gauges [.., pg, 14], kv stats [.., 8], sched [.., 13]) views of row(s)."""
+        c = self.num_counters
+        g = c + len(self.pool_groups) * NUM_GAUGES
+        k = g + len(KV_STATS)
+        lead = rows.shape[:-1]
+        return (rows[..., :c].reshape(*lead, len(self.life_cycles), NUM_COUNTERS),
+                rows[..., c:g].reshape(*lead, len(self.pool_groups), NUM_GAUGES), rows[..., g:k], rows[..., k:])
+
+
+@dataclass(frozen=True, slots=True)
+class RankDelta:
+    """One rank's iteration: who sent it and its packed row (see RankLayout.parts)."""
+
+    rank: int
+    incarnation: str
+    row: np.ndarray
+
+
+def pack(layout: RankLayout, counters, gauges, kv_stats, sched) -> np.ndarray:
+    """The row of one iteration from its parts (lists or arrays of ints)."""
+    row = np.concatenate([np.asarray(counters, dtype=np.int64).ravel(), np.asarray(gauges, dtype=np.int64).ravel(),
+                          np.asarray(kv_stats, dtype=np.int64), np.asarray(sched, dtype=np.int64)])
+    if row.shape != (layout.row_size,):
+        raise ValueError(f"rank {layout.rank}: a row of {row.size} values does not fit its layout "
+                         f"({layout.row_size})")
+    return row
+
+
+@dataclass(frozen=True)
+class Iteration:
+    """What the engine forwards for one iteration: the deltas of every rank that stepped and answered, the
+    ranks it knows are missing (down groups, failed steps), and its own request figures."""
+
+    iteration: int
+    timestamp: float
+    deltas: list[RankDelta]
+    missing: tuple[int, ...] = ()
+    engine: dict[str, int] = field(default_factory=dict)  # ENGINE_FIGURES
+
+
+# the engine's figures for an iteration (TensorRT-LLM names)
+ENGINE_FIGURES = ("numActiveRequests", "numQueuedRequests", "numCompletedRequests", "numNewActiveRequests",
+                  "maxNumActiveRequests")

@@ -1,0 +1,99 @@
+"""The engine's end of the stats channel: each iteration's rank deltas to the aggregator, never blocking a step.
+
+`put` queues an iteration (O(1), from the step loop). One task sends everything queued in one `ingest` call,
+keeping one call in flight, so calls batch by themselves when the aggregator is slow. Delivery rides Ray: the
+aggregator actor restarts and Ray retries the call in flight (`max_task_retries`). What this adds is the one
+thing Ray cannot know: the engine keeps every iteration until a reply acknowledges it (the aggregator acks
+only what its checkpoint covers), and when a reply shows a new aggregator epoch it re-sends everything not
+acknowledged; ingest is idempotent by iteration, so re-sending never counts twice. Only if the aggregator
+stays unreachable for `max_unacked` iterations are the oldest dropped (logged; their counts stay in the
+ranks' cumulative kvCacheStats).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from typing import Any
+
+from aggregator.delta import Iteration
+
+from .errors import one_line
+
+log = logging.getLogger("kvfleet.engine")
+
+RETRY_S = (0.05, 2.0)  # pause after a failed call, doubling
+
+
+class StatsChannel:
+    def __init__(self, aggregator: Any, max_unacked: int = 10_000, retry_s: tuple[float, float] = RETRY_S) -> None:
+        self.aggregator = aggregator
+        self.max_unacked = max_unacked
+        self.retry_s = retry_s
+        self.unacked: deque[Iteration] = deque()
+        self.sent = -1  # newest iteration sent to the current aggregator epoch
+        self.epoch: int | None = None
+        self.acked = -1
+        self.dropped = 0
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()  # set while nothing is unacknowledged
+        self._idle.set()
+        self._task: asyncio.Task | None = None
+
+    def put(self, it: Iteration) -> None:
+        self.unacked.append(it)
+        self._idle.clear()
+        if len(self.unacked) > self.max_unacked:
+            self.unacked.popleft()
+            self.dropped += 1
+            if self.dropped == 1 or self.dropped % 1000 == 0:
+                log.warning("stats: aggregator unreachable, %d iterations dropped unsent", self.dropped)
+        self._wake.set()
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def register(self, layouts: list) -> None:
+        reply = await self.aggregator.register.remote(layouts)
+        self.epoch = reply["epoch"]
+
+    async def drained(self) -> None:
+        """Until every queued iteration is acknowledged (tests, shutdown)."""
+        await self._idle.wait()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        pause = 0.0
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self.unacked and self.unacked[-1].iteration > self.sent:
+                batch = [it for it in self.unacked if it.iteration > self.sent]
+                try:
+                    reply = await self.aggregator.ingest.remote(batch)
+                except Exception as e:  # not restartable (killed for good), or a bad batch: retry, then log
+                    pause = min(max(2 * pause, self.retry_s[0]), self.retry_s[1])
+                    log.warning("stats: ingest failed (%s), retrying in %.2f s", one_line(e), pause)
+                    await asyncio.sleep(pause)
+                    continue
+                pause = 0.0
+                self._acknowledged(reply, batch[-1].iteration)
+
+    def _acknowledged(self, reply: dict[str, Any], newest: int) -> None:
+        acked = -1 if reply["acked"] is None else reply["acked"]
+        if self.epoch is not None and reply["epoch"] != self.epoch:
+            log.warning("stats: aggregator restarted (epoch %s -> %s), re-sending from iteration %d", self.epoch,
+                        reply["epoch"], acked + 1)
+            self.sent = acked
+        else:
+            self.sent = max(self.sent, newest)
+        self.epoch = reply["epoch"]
+        self.acked = acked
+        while self.unacked and self.unacked[0].iteration <= acked:
+            self.unacked.popleft()
+        if not self.unacked:
+            self._idle.set()
