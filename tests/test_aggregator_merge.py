@@ -67,3 +67,14 @@ def test_rows_are_one_int64_buffer():
     d = FakeCluster(1, 1).iteration(0).deltas[0]
     assert d.row.dtype == np.int64 and d.row.shape == (FakeCluster(1, 1).layouts[0].row_size,)
     assert len(d.row) > len(KV_STATS) + len(SCHED)
+
+
+@settings(max_examples=30, deadline=None)
+@given(dp=st.integers(1, 4), tp=st.integers(1, 3), shape=st.integers(0, 2), seed=st.integers(0, 2**32))
+def test_the_array_path_equals_the_general_path(dp, tp, shape, seed):
+    from aggregator.merge import _merge_general, _merge_uniform, _uniform
+
+    cluster = FakeCluster(dp, tp, seed, [shape] * dp)
+    rows = rows_of(cluster, cluster.iteration(0))
+    assert _uniform(rows)
+    assert _merge_uniform(rows) == _merge_general(rows)
