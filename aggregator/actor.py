@@ -64,10 +64,9 @@ class StatsAggregatorImpl:
     """The actor's body; `StatsAggregator` is this class made a Ray actor."""
 
     def __init__(self, engine_id: str, world_size: int, tp: int, buffer_size: int = 10_000,
-                 stats_timeout_s: float = 2.0, rank_detail_records: int = 512, checkpoint: Any = None) -> None:
+                 rank_detail_records: int = 512, checkpoint: Any = None) -> None:
         """`checkpoint`: where restarts find their predecessor's state (load/save); default Ray's GCS."""
         self.engine_id, self.world_size, self.tp = engine_id, world_size, tp
-        self.timeout = stats_timeout_s
         self._ckpt = checkpoint if checkpoint is not None else _Checkpoint(engine_id)
         saved = self._ckpt.load("state")
         self.asm = Assembler(engine_id, world_size, tp, epoch=saved["epoch"] + 1 if saved else 1)
@@ -215,7 +214,7 @@ StatsAggregator = ray.remote(max_restarts=-1, max_task_retries=-1)(StatsAggregat
 
 
 def get_or_create_aggregator(engine_id: str, world_size: int, tp: int, buffer_size: int = 10_000,
-                             stats_timeout_s: float = 2.0, **options: Any) -> ray.actor.ActorHandle:
+                             **options: Any) -> ray.actor.ActorHandle:
     """The engine's aggregator actor, created on first use (named, so a new engine finds it by engine id)."""
     opts = {"name": aggregator_name(engine_id), "get_if_exists": True, "num_cpus": 0, **options}
-    return StatsAggregator.options(**opts).remote(engine_id, world_size, tp, buffer_size, stats_timeout_s)
+    return StatsAggregator.options(**opts).remote(engine_id, world_size, tp, buffer_size)

@@ -1,18 +1,20 @@
-"""HTTP statistics benchmark: /stats latency under 50 concurrent pollers, SSE fan-out to 100 subscribers.
-
-Each is measured against a baseline of one client, while background completions keep records flowing.
+"""HTTP benchmark: what statistics readers cost generation, and the split's own cost, in one run.
 
     python bench/http_bench.py                       # starts a local app (CPU settings) and benchmarks it
     python bench/http_bench.py --url http://127.0.0.1:8000 --duration 10
 
-Pollers ask `/stats?since=<last iter they saw>` like a dashboard does; subscribers follow /stats/stream.
-Lag = time a subscriber parsed a record - the record's `timestamp` (emission time; same machine clock).
+Rows (targets of issue 12):
+- completions/s with no reader, then with 50 pollers asking `/stats?since=<last>` once a second each:
+  /stats p99 < 50 ms, completions/s >= 0.9x the no-reader run;
+- 20 clients as fast as they can: `/stats?since=<latest>` vs `/v1/models` (the Serve floor): ratio >= 0.9;
+- 100 `/stats/stream` subscribers: lag p99 < 100 ms (lag = parse time - the record's `timestamp`);
+- the completion path through the split: a 1-token completion over HTTP (ingress -> engine handle) vs the
+  same request sent straight to the engine deployment's handle (no HTTP, no ingress), p50 of each.
 """
 
 import argparse
 import asyncio
 import json
-import statistics
 import sys
 import time
 from datetime import datetime
@@ -48,8 +50,8 @@ async def _traffic(http: httpx.AsyncClient, stop: asyncio.Event, concurrency: in
     return sent
 
 
-async def _poller(http: httpx.AsyncClient, stop: asyncio.Event, lat: list[float]) -> None:
-    since = -1
+async def _poller(http: httpx.AsyncClient, stop: asyncio.Event, lat: list[float], every_s: float | None,
+                  since: int = -1) -> None:
     while not stop.is_set():
         t0 = time.perf_counter()
         r = await http.get("/stats", params={"since": since, "limit": 100})
@@ -57,6 +59,15 @@ async def _poller(http: httpx.AsyncClient, stop: asyncio.Event, lat: list[float]
         records = r.json()
         if records:
             since = records[-1]["iter"]
+        if every_s:
+            await asyncio.sleep(max(0.0, t0 + every_s - time.perf_counter()))
+
+
+async def _hammer(http: httpx.AsyncClient, stop: asyncio.Event, path: str, params: dict, n: list[int]) -> None:
+    while not stop.is_set():
+        r = await http.get(path, params=params)
+        r.raise_for_status()
+        n[0] += 1
 
 
 async def _subscriber(http: httpx.AsyncClient, stop: asyncio.Event, since: int, got: list[int],
@@ -97,19 +108,65 @@ async def _phase(url: str, duration: float, traffic: int, body) -> dict:
         return out
 
 
+async def completions_only(url: str, duration: float, traffic: int) -> dict:
+    async def body(http, stop):
+        async def result(elapsed):
+            return {"elapsed": elapsed}
+        return result
+
+    out = await _phase(url, duration, traffic, body)
+    return {"completions_per_s": out["completions"] / out["elapsed"]}
+
+
 async def stats_latency(url: str, pollers: int, duration: float, traffic: int) -> dict:
     async def body(http, stop):
         lat: list[float] = []
-        tasks = [asyncio.create_task(_poller(http, stop, lat)) for _ in range(pollers)]
+        tasks = [asyncio.create_task(_poller(http, stop, lat, 1.0)) for _ in range(pollers)]
 
         async def result(elapsed):
             await asyncio.gather(*tasks)
-            return {"pollers": pollers, "requests": len(lat), "req_per_s": len(lat) / elapsed,
-                    "p50_ms": 1e3 * _pct(lat, 0.50), "p99_ms": 1e3 * _pct(lat, 0.99),
-                    "mean_ms": 1e3 * statistics.fmean(lat) if lat else float("nan")}
+            return {"elapsed": elapsed, "pollers": pollers, "polls": len(lat), "p50_ms": 1e3 * _pct(lat, 0.50),
+                    "p99_ms": 1e3 * _pct(lat, 0.99)}
         return result
 
-    return await _phase(url, duration, traffic, body)
+    out = await _phase(url, duration, traffic, body)
+    out["completions_per_s"] = out.pop("completions") / out.pop("elapsed")
+    return out
+
+
+async def route_rate(url: str, path: str, clients: int, duration: float) -> float:
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as http:
+        params = {"since": await _latest_iter(http), "limit": 100} if path == "/stats" else {}
+        stop, n = asyncio.Event(), [0]
+        tasks = [asyncio.create_task(_hammer(http, stop, path, params, n)) for _ in range(clients)]
+        await asyncio.sleep(duration)  # the measurement window
+        stop.set()
+        await asyncio.gather(*tasks)
+        return n[0] / duration
+
+
+async def completion_overhead(url: str, app_name: str | None, n: int = 20) -> dict:
+    body = {"prompt": "a short prompt for one token", "max_tokens": 1}
+    http_lat, handle_lat = [], []
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            (await http.post("/v1/completions", json=body)).raise_for_status()
+            http_lat.append(time.perf_counter() - t0)
+    if app_name is not None:
+        from ray import serve
+
+        from workers.sampling import SamplingParams
+
+        handle = serve.get_deployment_handle("KVFleetEngine", app_name).options(stream=True)
+        ids = list(body["prompt"].encode())
+        for _ in range(n):
+            t0 = time.perf_counter()
+            async for _ev in handle.generate.remote(None, ids, SamplingParams(max_tokens=1, temperature=0.0)):
+                pass
+            handle_lat.append(time.perf_counter() - t0)
+    return {"http_p50_ms": 1e3 * _pct(http_lat, 0.5), "engine_handle_p50_ms": 1e3 * _pct(handle_lat, 0.5)}
 
 
 async def sse_fanout(url: str, subscribers: int, duration: float, traffic: int) -> dict:
@@ -126,9 +183,8 @@ async def sse_fanout(url: str, subscribers: int, duration: float, traffic: int) 
             await asyncio.gather(*tasks, return_exceptions=True)
             delivered = sum(len(g) for g in got)
             gaps = sum(1 for g in got for a, b in zip(g, g[1:], strict=False) if b <= a)
-            return {"subscribers": subscribers, "records_delivered": delivered,
-                    "records_per_s": delivered / elapsed, "records_per_s_per_sub": delivered / elapsed / subscribers,
-                    "out_of_order": gaps, "lag_p50_ms": 1e3 * _pct(lags, 0.5), "lag_p99_ms": 1e3 * _pct(lags, 0.99)}
+            return {"subscribers": subscribers, "records_delivered": delivered, "out_of_order": gaps,
+                    "lag_p50_ms": 1e3 * _pct(lags, 0.5), "lag_p99_ms": 1e3 * _pct(lags, 0.99)}
         return result
 
     return await _phase(url, duration, traffic, body)
@@ -143,7 +199,7 @@ def _start_local_app() -> str:
     sys.path.insert(0, "tests")
     from e2e_fixtures import E2E_SETTINGS, free_port, wait_healthy
 
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(E2E_SETTINGS), name="kvfleet-bench", route_prefix="/")
@@ -161,15 +217,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--traffic", type=int, default=2, help="concurrent background completion requests")
     a = p.parse_args(argv)
     url = a.url or _start_local_app()
+    app_name = None if a.url else "kvfleet-bench"
+    base = asyncio.run(completions_only(url, a.duration, a.traffic))
+    polled = asyncio.run(stats_latency(url, a.pollers, a.duration, a.traffic))
+    models = asyncio.run(route_rate(url, "/v1/models", 20, a.duration))
+    stats = asyncio.run(route_rate(url, "/stats", 20, a.duration))
+    sse = asyncio.run(sse_fanout(url, a.subscribers, a.duration, a.traffic))
+    split = asyncio.run(completion_overhead(url, app_name))
     rows = [
-        ("stats latency, 1 poller", asyncio.run(stats_latency(url, 1, a.duration, a.traffic))),
-        (f"stats latency, {a.pollers} pollers", asyncio.run(stats_latency(url, a.pollers, a.duration, a.traffic))),
-        ("sse fan-out, 1 subscriber", asyncio.run(sse_fanout(url, 1, a.duration, a.traffic))),
-        (f"sse fan-out, {a.subscribers} subscribers",
-         asyncio.run(sse_fanout(url, a.subscribers, a.duration, a.traffic))),
+        ("completions, no reader", base),
+        (f"completions + {a.pollers} pollers at 1/s", {
+            **polled, "completions_ratio": polled["completions_per_s"] / base["completions_per_s"]}),
+        ("20 clients: /stats vs /v1/models", {"stats_per_s": stats, "models_per_s": models,
+                                              "ratio": stats / models}),
+        (f"sse, {a.subscribers} subscribers", sse),
+        ("1-token completion", {**split, "split_overhead_ms": split["http_p50_ms"] - split["engine_handle_p50_ms"]}),
     ]
     for name, row in rows:
-        print(f"{name:32s} " + "  ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
+        print(f"{name:36s} " + "  ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
                                          for k, v in row.items()))
     return 0
 

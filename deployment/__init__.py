@@ -5,8 +5,8 @@ on a CPU-only machine); `serve run deployment:build_app key=value ...` takes set
 Importing this package binds the application but starts nothing (no Ray, no engine).
 """
 
-from deployment.ingress import KVFleetIngress, build_app
+from deployment.ingress import KVFleetEngine, KVFleetIngress, build_app
 
 app = build_app({})
 
-__all__ = ["KVFleetIngress", "app", "build_app"]
+__all__ = ["KVFleetEngine", "KVFleetIngress", "app", "build_app"]

@@ -1,31 +1,43 @@
-"""The Ray Serve application: one ingress replica that owns the Engine and serves `routes.create_api`.
+"""The Ray Serve application: an ingress deployment (HTTP) in front of the engine's deployment.
 
-The engine (and through it the rank actors and the stats aggregator) lives in this replica, so there is
-exactly one replica. It reserves no CPU: the rank actors reserve theirs (dp * tp * num_cpus_per_rank), and
-the defaults must fit a 2-core laptop, where `serve run deployment:app` gives Ray exactly 2 CPUs. The FastAPI app is
-built after the engine has started (`__serve_build_asgi_app__`), so the routes close over a live engine.
+As Ray Serve LLM splits `OpenAiIngress` from `LLMServer`:
+- `KVFleetEngine`, one replica per engine: owns the `Engine` (its rank actors and the stats aggregator), and
+  answers `generate` (a stream of token events), `validate`, `info` and `health` through its handle. Serve's
+  `check_health` replaces the replica when its engine can no longer serve at all.
+- `KVFleetIngress`, `ingress_replicas` replicas: the FastAPI routes. Generation goes to the engine's replica
+  through a `DeploymentHandle` (streamed); tokenizing and detokenizing happen here. Statistics are served
+  from the replica's `StatsMirror` (one long-poll to the aggregator), so readers never touch the engine's
+  event loop.
+Neither reserves CPU: the rank actors reserve theirs (dp * tp * num_cpus_per_rank), and the defaults must fit
+a 2-core laptop, where `serve run deployment:app` gives Ray exactly 2 CPUs.
 """
 
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI
 from pydantic import ValidationError
 from ray import serve
 from ray.serve import Application
+from ray.serve.handle import DeploymentHandle
 
+from deployment.mirror import StatsMirror
 from deployment.routes import create_api
 from deployment.settings import Settings
+from workers.errors import EngineError, RequestError, RequestFailed
 
 logger = logging.getLogger("kvfleet.deployment")
 
-INGRESS_NUM_CPUS = 0
-# /stats pollers and /stats/stream subscribers are long-lived: Serve's default (5) would queue them.
+NUM_CPUS = 0
+# /stats pollers, /stats/stream subscribers and streamed generations are long-lived: Serve's default (5)
+# would queue them
 MAX_ONGOING_REQUESTS = 1000
+_ENGINE_ERRORS = (RequestError, EngineError, RequestFailed)
 
 
 class ActorStats:
-    """routes.StatsSource over the StatsAggregator actor handle."""
+    """The mirror's upstream: the StatsAggregator actor handle."""
 
     def __init__(self, handle: Any) -> None:
         self._h = handle
@@ -52,12 +64,11 @@ class ActorStats:
 @serve.deployment(
     num_replicas=1,
     max_ongoing_requests=MAX_ONGOING_REQUESTS,
-    ray_actor_options={"num_cpus": INGRESS_NUM_CPUS},
+    ray_actor_options={"num_cpus": NUM_CPUS},
     max_constructor_retry_count=3,
     graceful_shutdown_timeout_s=30,
 )
-@serve.ingress()
-class KVFleetIngress:
+class KVFleetEngine:
     async def __init__(self, settings: Settings) -> None:
         from workers.engine import Engine  # imported here: importing `deployment` must stay light
 
@@ -69,18 +80,106 @@ class KVFleetIngress:
             logger.exception("engine %s failed to start", settings.engine_id)
             await self._engine.shutdown()
             raise
-        self._stats = ActorStats(self._engine.aggregator)
         logger.info("engine %s started: dp=%d tp=%d model=%s", settings.engine_id, settings.dp, settings.tp,
                     settings.model or "built-in")
 
-    def __serve_build_asgi_app__(self) -> FastAPI:
-        return create_api(self._engine, self._stats, self._settings)
+    def info(self) -> dict[str, Any]:
+        e = self._engine
+        return {"max_model_len": e.max_model_len, "max_seq_len": e.max_seq_len, "vocab_size": e.vocab_size,
+                "aggregator": e.aggregator}
+
+    def validate(self, prompt_token_ids: list[int], params: Any) -> None:
+        self._engine.validate(prompt_token_ids, params)
+
+    async def generate(self, request_id: str | None, prompt_token_ids: list[int], params: Any,
+                       cache_salt: str | None = None) -> AsyncIterator[Any]:
+        async for ev in self._engine.generate(request_id, prompt_token_ids, params, cache_salt):
+            yield ev
+
+    async def health(self) -> dict[str, Any]:
+        return await self._engine.health()
+
+    async def check_health(self) -> None:
+        """Serve's replica health check: a replica whose engine cannot serve at all is replaced."""
+        if self._engine.error:
+            raise RuntimeError(self._engine.error)
 
     async def __del__(self) -> None:
         engine = getattr(self, "_engine", None)
         if engine is not None:
             logger.info("engine %s shutting down", self._settings.engine_id)
             await engine.shutdown()
+
+
+class EngineClient:
+    """The engine as the routes see it, across the engine deployment's handle: the same errors as the
+    in-process Engine (never a Ray traceback), and a stream that aborts the request when it is closed."""
+
+    def __init__(self, handle: DeploymentHandle, tokenizer: Any, info: dict[str, Any]) -> None:
+        self._h = handle
+        self._stream = handle.options(stream=True)
+        self.tokenizer = tokenizer
+        self.max_model_len = info["max_model_len"]
+        self.max_seq_len = info["max_seq_len"]
+        self.vocab_size = info["vocab_size"]
+
+    async def validate(self, prompt_token_ids: list[int], params: Any) -> None:
+        try:
+            await self._h.validate.remote(prompt_token_ids, params)
+        except Exception as e:
+            raise _engine_error(e) from None
+
+    async def generate(self, request_id: str | None, prompt_token_ids: list[int], params: Any,
+                       cache_salt: str | None = None) -> AsyncIterator[Any]:
+        gen = self._stream.generate.remote(request_id, prompt_token_ids, params, cache_salt)
+        try:
+            async for ev in gen:
+                yield ev
+        except Exception as e:
+            raise _engine_error(e) from None
+        finally:
+            gen.cancel()  # a client that left (or a stop string) aborts the engine's request
+
+    async def health(self) -> dict[str, Any]:
+        try:
+            return await self._h.health.remote()
+        except Exception as e:
+            raise _engine_error(e) from None
+
+
+def _engine_error(e: Exception) -> Exception:
+    """The engine's own error inside a Ray error, or EngineError when its replica cannot be reached."""
+    cause = getattr(e, "cause", None)
+    if isinstance(e, _ENGINE_ERRORS):
+        return e.cause if isinstance(cause, _ENGINE_ERRORS) else e
+    if isinstance(cause, _ENGINE_ERRORS):
+        return cause
+    return EngineError(f"the engine replica is unavailable ({type(e).__name__})")
+
+
+@serve.deployment(
+    num_replicas=1,
+    max_ongoing_requests=MAX_ONGOING_REQUESTS,
+    ray_actor_options={"num_cpus": NUM_CPUS},
+    graceful_shutdown_timeout_s=30,
+)
+@serve.ingress()
+class KVFleetIngress:
+    async def __init__(self, settings: Settings, engine: DeploymentHandle) -> None:
+        from workers.loader import load_tokenizer
+
+        self._settings = settings
+        info = await engine.info.remote()  # waits for the engine's replica to be up
+        self._engine = EngineClient(engine, load_tokenizer(settings.model or None), info)
+        self._stats = StatsMirror(ActorStats(info["aggregator"]), capacity=settings.stats_buffer_size)
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return create_api(self._engine, self._stats, self._settings)
+
+    async def __del__(self) -> None:
+        stats = getattr(self, "_stats", None)
+        if stats is not None:
+            await stats.close()
 
 
 def parse_settings(args: dict[str, Any] | None) -> Settings:
@@ -98,4 +197,6 @@ def parse_settings(args: dict[str, Any] | None) -> Settings:
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
     """`serve run deployment:build_app tp=2 ...` and Serve configs' `args:` land here."""
-    return KVFleetIngress.bind(parse_settings(args))
+    settings = parse_settings(args)
+    engine = KVFleetEngine.bind(settings)
+    return KVFleetIngress.options(num_replicas=settings.ingress_replicas).bind(settings, engine)

@@ -11,7 +11,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Protocol
+from typing import Any
 
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from deployment import protocol
 from deployment.detokenize import TextStream
 from deployment.errors import APIError, ErrorResponse, clean_message, error_body, install_error_handlers
-from deployment.hub import StatsHub
+from deployment.mirror import StatsMirror
 from deployment.settings import Settings
 from workers.errors import EngineError, RequestError, RequestFailed
 
@@ -29,17 +29,6 @@ MAX_STATS_LIMIT = 10_000
 HEALTH_TIMEOUT_S = 5.0
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-class StatsSource(Protocol):
-    """What the routes need from the aggregator (ingress.ActorStats adapts the actor handle)."""
-
-    async def query(self, since: int, limit: int | None, ranks: bool) -> list[dict]: ...
-    async def wait_records(self, since: int, timeout_s: float) -> list[dict]: ...
-    async def ranks(self) -> dict: ...
-    async def kv_cache_stats(self) -> dict: ...
-    async def metrics_text(self) -> str: ...
-    async def health(self) -> dict: ...
 
 
 def default_sampling_params(**kwargs: Any) -> Any:
@@ -87,9 +76,8 @@ class Usage:
         return protocol.usage(self.prompt_tokens, self.completion_tokens)
 
 
-def create_api(engine: Any, stats: StatsSource, settings: Settings,
+def create_api(engine: Any, stats: StatsMirror, settings: Settings,
                make_params: Callable[..., Any] = default_sampling_params,
-               keepalive_s: float = 15.0,
                request_errors: tuple[type[BaseException], ...] | None = None) -> FastAPI:
     """The FastAPI app with every route of DESIGN.md.
 
@@ -101,8 +89,7 @@ def create_api(engine: Any, stats: StatsSource, settings: Settings,
     model_name = settings.served_model_name
     world_size = settings.dp * settings.tp
     created = int(time.time())
-    hub = StatsHub(stats, keepalive_s)
-    api.state.hub = hub
+    api.state.stats = stats
     if request_errors is None:
         request_errors = (RequestError,)
 
@@ -294,7 +281,9 @@ def create_api(engine: Any, stats: StatsSource, settings: Settings,
     async def get_stats(since: int = Query(-1, ge=-1, description="records with iter > since"),
                         limit: int | None = Query(None, ge=0, le=MAX_STATS_LIMIT),
                         ranks: bool = Query(False, description="include each rank's own record")) -> Response:
-        return JSONResponse(await stats.query(since, limit, ranks))
+        if ranks:
+            return JSONResponse(await stats.query(since, limit, True))
+        return Response(await stats.query_json(since, limit), media_type="application/json")
 
     @api.get("/stats/stream")
     async def stats_stream(request: Request, since: int | None = Query(None, ge=-1)) -> Response:
@@ -309,7 +298,7 @@ def create_api(engine: Any, stats: StatsSource, settings: Settings,
             if start < -1:
                 raise APIError(400, "Last-Event-ID must be >= -1", code="invalid_last_event_id",
                                param="Last-Event-ID")
-        return StreamingResponse(hub.events(start), media_type="text/event-stream",
+        return StreamingResponse(stats.events(start), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
 
     @api.get("/stats/ranks")

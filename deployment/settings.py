@@ -42,7 +42,7 @@ class Settings(BaseSettings):
     max_num_seqs: int = Field(32, ge=1, description="requests running at once per dp group")
     max_tokens_default: int = Field(64, ge=1, description="max_tokens when a request names none")
     stats_buffer_size: int = Field(10_000, ge=1, description="cluster records kept for /stats readers")
-    stats_timeout_s: float = Field(2.0, gt=0, description="emit an iteration incomplete after this long")
+    ingress_replicas: int = Field(1, ge=1, description="HTTP ingress replicas in front of the engine's replica")
     num_cpus_per_rank: float = Field(0.5, gt=0, description="Ray CPUs reserved by each rank actor")
     seed: int = Field(0, description="seed of the built-in model's weights")
 

@@ -53,7 +53,7 @@ def test_a_killed_rank_is_named_missing_at_once_and_the_other_group_serves(ray_c
 
     async def main():
         eng = Engine(Settings(engine_id="t-rank-kill", dp=2, tp=1, device="cpu", max_seq_len=128,
-                              kv_cache_bytes=256 << 10, host_cache_bytes=0, stats_timeout_s=30.0))
+                              kv_cache_bytes=256 << 10, host_cache_bytes=0))
         await eng.start()
         try:
             params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

@@ -76,9 +76,11 @@ def test_serve_build_config_is_valid_and_deployable(tmp_path):
     schema = ServeDeploySchema.model_validate(config)
     (app,) = schema.applications
     assert app.import_path == "deployment:app" and app.route_prefix == "/"
-    (dep,) = app.deployments
-    assert dep.name == "KVFleetIngress" and dep.num_replicas == 1
-    assert dep.max_ongoing_requests >= 100 and dep.ray_actor_options.num_cpus < 1
+    deps = {d.name: d for d in app.deployments}
+    assert set(deps) == {"KVFleetIngress", "KVFleetEngine"}
+    assert deps["KVFleetIngress"].num_replicas == 1 and deps["KVFleetEngine"].num_replicas == 1
+    for dep in deps.values():
+        assert dep.max_ongoing_requests >= 100 and dep.ray_actor_options.num_cpus < 1
     # What the cluster does with the config: import the path and build the app from `args`.
     from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
     from ray.serve._private.utils import import_attr

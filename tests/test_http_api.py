@@ -19,6 +19,7 @@ import uvicorn
 from e2e_fixtures import prometheus_query
 
 from deployment.client import StatsClient, StatsError
+from deployment.mirror import StatsMirror
 from deployment.routes import create_api
 from deployment.settings import Settings
 from deployment.sse import SSEDecoder
@@ -168,7 +169,7 @@ def server():
     engine, stats = FakeEngine(), FakeStats()
     engine.on_finish = lambda: stats.add(3, 1)
     settings = Settings(dp=2, tp=1, served_model_name="fake-model", max_tokens_default=8)
-    api = create_api(engine, stats, settings, make_params=Params, keepalive_s=0.3,
+    api = create_api(engine, StatsMirror(stats, keepalive_s=0.3), settings, make_params=Params,
                      request_errors=(FakeRequestError,))
     port = _free_port()
     uv = uvicorn.Server(uvicorn.Config(api, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
@@ -328,10 +329,20 @@ BAD_STATS = [
 ]
 
 
+def caught_up(server, http) -> list[dict]:
+    """/stats once the replica's mirror holds every record the fake aggregator emitted (within a long-poll)."""
+    want = server.stats.records[-1]["iter"]
+    deadline = time.monotonic() + 10
+    while (got := http.get("/stats").json()) == [] or got[-1]["iter"] < want:
+        assert time.monotonic() < deadline, "the stats mirror never caught up"
+        time.sleep(0.01)
+    return got
+
+
 @pytest.mark.parametrize("path,status", BAD_STATS)
 def test_bad_stats_input_is_4xx(server, http, path, status):
     server.stats.add(1, 0)
-    before = http.get("/stats").json()
+    before = caught_up(server, http)
     _assert_openai_error(http.get(path), status)
     assert http.get("/stats").json() == before, "a bad request changed the records"
 
@@ -344,7 +355,7 @@ def test_bad_last_event_id(http):
 def test_stats_paging_and_readers_see_the_same(server, http):
     for i in range(5):
         server.stats.add(2, i)
-    everything = http.get("/stats").json()
+    everything = caught_up(server, http)
     assert everything == http.get("/stats").json(), "reading removed records"
     iters = [r["iter"] for r in everything]
     assert iters == sorted(iters) and len(iters) >= 5

@@ -141,8 +141,7 @@ class Engine:
         s = self.settings
         device = _device(s)
         dtype = s.dtype if s.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
-        self.aggregator = get_or_create_aggregator(s.engine_id, self.world_size, s.tp, s.stats_buffer_size,
-                                                   s.stats_timeout_s)
+        self.aggregator = get_or_create_aggregator(s.engine_id, self.world_size, s.tp, s.stats_buffer_size)
         health = await self.aggregator.health.remote()
         if (health["world_size"], health["tp"]) != (self.world_size, s.tp):
             raise EngineError(

@@ -1,0 +1,156 @@
+"""StatsMirror: each ingress replica's copy of the cluster records, kept fresh by one long-poll.
+
+Readers of /stats, /stats/stream and /kv_cache_stats are served from here: they cost the engine's replica and
+the aggregator nothing, whatever their number, and each record is serialized to JSON once per replica (the SSE
+event and the /stats list are built from the same text). The mirror starts from the aggregator's oldest
+buffered record and then follows `wait_records`, so it holds exactly records the aggregator emitted, in order.
+What only the aggregator knows (per-rank detail, rank health, Prometheus text) is asked of it directly;
+/metrics is cached for `metrics_ttl_s` so that scrapers from several Prometheus replicas share one call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from aggregator.buffer import RecordBuffer
+from deployment.sse import format_comment, format_event
+
+logger = logging.getLogger("kvfleet.deployment")
+PRIME_TIMEOUT_S = 5.0
+
+
+class Upstream(Protocol):
+    """What the mirror needs of the aggregator (deployment/ingress.ActorStats adapts the actor handle)."""
+
+    async def query(self, since: int, limit: int | None, ranks: bool) -> list[dict]: ...
+    async def wait_records(self, since: int, timeout_s: float) -> list[dict]: ...
+    async def ranks(self) -> dict: ...
+    async def kv_cache_stats(self) -> dict: ...
+    async def metrics_text(self) -> str: ...
+    async def health(self) -> dict: ...
+
+
+class StatsMirror:
+    def __init__(self, upstream: Upstream, capacity: int = 10_000, keepalive_s: float = 15.0,
+                 metrics_ttl_s: float = 1.0) -> None:
+        self.upstream = upstream
+        self.keepalive_s = keepalive_s
+        self.metrics_ttl_s = metrics_ttl_s
+        self._records = RecordBuffer(capacity)  # {"iter", "record", "json"}
+        self._head = -1
+        self._primed = asyncio.Event()  # set once the first call copied the aggregator's buffer
+        self._changed = asyncio.Event()
+        self._pump: asyncio.Task | None = None
+        self._metrics: tuple[float, str] = (float("-inf"), "")
+        self.subscribers = 0
+        self.upstream_calls = 0
+
+    def start(self) -> None:
+        if self._pump is None or self._pump.done():
+            self._pump = asyncio.get_running_loop().create_task(self._follow())
+
+    async def close(self) -> None:
+        if self._pump is not None:
+            self._pump.cancel()
+            await asyncio.gather(self._pump, return_exceptions=True)
+
+    async def _follow(self) -> None:
+        failures = 0
+        while True:
+            try:
+                self.upstream_calls += 1
+                if not self._primed.is_set():
+                    records = await self.upstream.query(-1, None, False)
+                else:
+                    records = await self.upstream.wait_records(self._head, self.keepalive_s)
+                failures = 0
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the aggregator is restarting or not up yet
+                failures += 1
+                logger.warning("stats mirror: aggregator call failed (%s), retry %d", type(exc).__name__, failures)
+                await asyncio.sleep(min(5.0, 0.1 * 2**failures))  # backoff before calling it again
+                continue
+            self._primed.set()
+            fresh = [r for r in records if r["iter"] > self._head]
+            for r in fresh:
+                self._records.append({"iter": r["iter"], "record": r, "json": json.dumps(r, separators=(",", ":"))})
+            if fresh:
+                self._head = fresh[-1]["iter"]
+                changed, self._changed = self._changed, asyncio.Event()
+                changed.set()
+
+    async def _ready(self) -> None:
+        """Start following, and wait (a little) for the first copy, so a first reader sees what exists."""
+        self.start()
+        if not self._primed.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._primed.wait(), PRIME_TIMEOUT_S)
+
+    async def _wait(self, since: int, timeout_s: float) -> list[dict]:
+        await self._ready()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            got = self._records.since(since, 1000)
+            left = deadline - time.monotonic()
+            if got or left <= 0:
+                return got
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except TimeoutError:
+                pass
+
+    # ---- what the routes read
+
+    async def query(self, since: int, limit: int | None, ranks: bool) -> list[dict]:
+        if ranks:  # per-rank detail lives in the aggregator only
+            return await self.upstream.query(since, limit, True)
+        await self._ready()
+        return [e["record"] for e in self._records.since(since, limit)]
+
+    async def query_json(self, since: int, limit: int | None) -> str:
+        """/stats as JSON text, from each record's cached text."""
+        await self._ready()
+        return "[" + ",".join(e["json"] for e in self._records.since(since, limit)) + "]"
+
+    async def wait_records(self, since: int, timeout_s: float) -> list[dict]:
+        return [e["record"] for e in await self._wait(since, timeout_s)]
+
+    async def events(self, since: int) -> AsyncIterator[str]:
+        """SSE text for every record with iter > since, forever (keepalive comments while idle). A reader
+        behind the mirror's window resumes at its oldest record."""
+        self.subscribers += 1
+        try:
+            last = since
+            while True:
+                got = await self._wait(last, self.keepalive_s)
+                if not got:
+                    yield format_comment("keepalive")
+                    continue
+                last = got[-1]["iter"]
+                yield "".join(format_event(e["json"], id=e["iter"], event="stats") for e in got)
+        finally:
+            self.subscribers -= 1
+
+    async def kv_cache_stats(self) -> dict:
+        latest = self._records.latest()
+        return dict(latest["record"]["kvCacheStats"]) if latest else await self.upstream.kv_cache_stats()
+
+    async def metrics_text(self) -> str:
+        at, text = self._metrics
+        if time.monotonic() - at > self.metrics_ttl_s:
+            text = await self.upstream.metrics_text()
+            self._metrics = (time.monotonic(), text)
+        return text
+
+    async def ranks(self) -> dict:
+        return await self.upstream.ranks()
+
+    async def health(self) -> dict[str, Any]:
+        return {**await self.upstream.health(), "mirrored": len(self._records), "subscribers": self.subscribers}

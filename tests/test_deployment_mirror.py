@@ -1,0 +1,86 @@
+"""StatsMirror: one upstream long-poll per replica serves any number of readers, without gaps or repeats."""
+
+import asyncio
+import json
+
+from deployment.mirror import StatsMirror
+from deployment.sse import SSEDecoder
+
+
+class Upstream:
+    """The aggregator's read API over a list of records, counting calls."""
+
+    def __init__(self) -> None:
+        self.records: list[dict] = []
+        self.calls = 0
+        self._new = asyncio.Event()
+
+    def emit(self, n: int = 1) -> None:
+        for _ in range(n):
+            it = self.records[-1]["iter"] + 1 if self.records else 0
+            self.records.append({"iter": it, "kvCacheStats": {"reusedBlocks": it}, "text": "é"})
+        self._new.set()
+        self._new = asyncio.Event()
+
+    async def query(self, since, limit, ranks):
+        self.calls += 1
+        out = [dict(r, ranks={}) if ranks else r for r in self.records if r["iter"] > since]
+        return out[:limit] if limit is not None else out
+
+    async def wait_records(self, since, timeout_s):
+        self.calls += 1
+        if not any(r["iter"] > since for r in self.records):
+            try:
+                await asyncio.wait_for(self._new.wait(), timeout_s)
+            except TimeoutError:
+                return []
+        return [r for r in self.records if r["iter"] > since]
+
+    async def kv_cache_stats(self):
+        return {"reusedBlocks": -1}
+
+
+async def _ids(mirror: StatsMirror, since: int, n: int) -> list[int]:
+    dec, out = SSEDecoder(), []
+    async for chunk in mirror.events(since):
+        for line in chunk.split("\n"):
+            ev = dec.feed(line)
+            if ev is not None:
+                assert json.loads(ev.data)["iter"] == int(ev.id)
+                out.append(int(ev.id))
+        if len(out) >= n:
+            return out
+
+
+def test_many_readers_share_one_upstream_poll_and_see_every_record_once():
+    async def body():
+        up = Upstream()
+        up.emit(5)
+        mirror = StatsMirror(up, keepalive_s=5.0)
+        readers = [asyncio.create_task(_ids(mirror, -1, 25)) for _ in range(50)]
+        late = asyncio.create_task(_ids(mirror, 9, 15))  # a reconnect with Last-Event-ID 9
+        for _ in range(20):
+            await asyncio.sleep(0.005)
+            up.emit()
+        results = await asyncio.wait_for(asyncio.gather(*readers, late), 10)
+        assert all(r == list(range(25)) for r in results[:-1])
+        assert results[-1] == list(range(10, 25))
+        assert up.calls <= 25  # one long-poll per new record at most, not one per reader
+        await mirror.close()
+
+    asyncio.run(body())
+
+
+def test_stats_json_is_the_records_and_reads_wait_for_the_first_copy():
+    async def body():
+        up = Upstream()
+        assert await StatsMirror(up).kv_cache_stats() == {"reusedBlocks": -1}  # nothing mirrored yet
+        up.emit(3)
+        mirror = StatsMirror(up)
+        assert json.loads(await mirror.query_json(0, None)) == up.records[1:]
+        assert await mirror.query(-1, 2, False) == up.records[:2]
+        assert (await mirror.query(-1, None, True))[0]["ranks"] == {}  # per-rank detail: from the aggregator
+        assert await mirror.kv_cache_stats() == {"reusedBlocks": 2}
+        await mirror.close()
+
+    asyncio.run(body())
