@@ -264,5 +264,5 @@ def test_serve_config_runs_ranks_on_the_worker_node(two_node_cluster, tmp_path):
     rank_nodes = [a.node_id for a in actors if a.class_name == "RankWorker"]
     assert len(rank_nodes) == world_size, [a.class_name for a in actors]
     assert set(rank_nodes) == {cluster["worker_node_id"]}
-    ingress_nodes = {a.node_id for a in actors if a.class_name.endswith("KVFleetIngress")}
-    assert ingress_nodes == {cluster["worker_node_id"]}
+    replica_nodes = {a.node_id for a in actors if a.class_name.endswith(("KVFleetIngress", "KVFleetEngine"))}
+    assert replica_nodes == {cluster["worker_node_id"]}

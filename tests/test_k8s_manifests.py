@@ -270,10 +270,11 @@ def test_serve_env_vars_are_valid_settings_sized_to_the_gpus():
     assert settings.dp * settings.tp == gpus, "one rank per GPU"
     worker = rayservice()["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
     worker_cpus = int(worker["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"])
-    (ingress,) = serve_config()["applications"][0]["deployments"]
-    ingress_cpus = ingress["ray_actor_options"]["num_cpus"]
-    assert ingress_cpus > 0, "a 0-CPU ingress may land on the head, whose worker pods then run no Serve proxy"
-    assert settings.dp * settings.tp * settings.num_cpus_per_rank + ingress_cpus <= worker_cpus
+    deployments = serve_config()["applications"][0]["deployments"]
+    assert {d["name"] for d in deployments} == {"KVFleetEngine", "KVFleetIngress"}
+    cpus = [d["ray_actor_options"]["num_cpus"] for d in deployments]
+    assert min(cpus) > 0, "a 0-CPU replica may land on the head, whose worker pods then run no Serve proxy"
+    assert settings.dp * settings.tp * settings.num_cpus_per_rank + sum(cpus) <= worker_cpus
 
 
 def test_raycluster_env_matches_the_rayservice_settings():
@@ -305,9 +306,10 @@ def serve_build_config(tmp_path: Path) -> dict[str, Any]:
     return yaml.safe_load(out.read_text())
 
 
-# The manifest's only deliberate departures from `serve build`: the engine's ingress replica reserves a CPU, so
-# it runs on the GPU worker (the head offers no CPUs) rather than anywhere a 0-CPU actor fits.
-MANIFEST_DEPLOYMENT_OVERRIDES = {"KVFleetIngress": {"ray_actor_options": {"num_cpus": 1}}}
+# The manifest's only deliberate departures from `serve build`: the engine's and the ingress replica reserve a
+# CPU each, so they run on the GPU worker (the head offers no CPUs) rather than anywhere a 0-CPU actor fits.
+MANIFEST_DEPLOYMENT_OVERRIDES = {"KVFleetEngine": {"ray_actor_options": {"num_cpus": 1}},
+                                 "KVFleetIngress": {"ray_actor_options": {"num_cpus": 1}}}
 
 
 def with_overrides(app: dict[str, Any]) -> dict[str, Any]:
