@@ -61,6 +61,15 @@ class ErrorResponse(JSONResponse):
         return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
+# the OpenAI error object, as the OpenAPI document states it (routes.py)
+ERROR_SCHEMA = {
+    "type": "object", "required": ["error"],
+    "properties": {"error": {"type": "object", "required": ["message", "type", "code", "param"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "code": {"type": ["string", "null"]}, "param": {"type": ["string", "null"]}}}},
+}
+
+
 def error_body(message: str, type_: str, code: str | None = None, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "code": code, "param": param}}
 

@@ -46,6 +46,10 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class ResponseFormat(_Strict):
+    type: Literal["text"] = Field(description="only plain text (json_object / json_schema are not supported)")
+
+
 class _SamplingRequest(_Strict):
     model: str | None = Field(None, description="must be the served model name; omitted = the served model")
     max_tokens: int | None = Field(None, ge=1, description="tokens to generate; omitted = the server default")
@@ -61,6 +65,9 @@ class _SamplingRequest(_Strict):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    # accepted and ignored, as vLLM's server does: they change nothing kvfleet generates
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
 
     @field_validator("n")
     @classmethod
@@ -184,6 +191,8 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    parallel_tool_calls: bool | None = None  # no tools are offered, so it changes nothing
+    response_format: ResponseFormat | None = None
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = None

@@ -6,6 +6,11 @@ is what makes a reconnect with `Last-Event-ID` resume without a gap).
 
 from dataclasses import dataclass
 
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering or caching
+# one Server-Sent Event as readers parse it (the OpenAPI document's schema of an event)
+SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}, "event": {"type": "string"},
+                                              "id": {"type": "string"}}}
+
 
 def format_event(data: str, *, id: int | str | None = None, event: str | None = None) -> str:
     """One SSE event; multi-line data becomes several `data:` lines, as the spec requires."""

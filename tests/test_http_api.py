@@ -23,7 +23,7 @@ from deployment.mirror import StatsMirror
 from deployment.routes import create_api
 from deployment.settings import Settings
 from deployment.sse import SSEDecoder
-from workers.errors import EngineError, RequestFailed
+from workers.errors import EngineError, RequestError, RequestFailed, check_request
 from workers.tokenizer import ByteTokenizer
 
 EOS = ByteTokenizer.eos_token_id
@@ -31,25 +31,10 @@ EOS = ByteTokenizer.eos_token_id
 REPLY = "The cache is warm. "
 
 
-class FakeRequestError(Exception):
-    def __init__(self, message: str, code: str) -> None:
-        super().__init__(message)
-        self.message, self.code = message, code
-
-
 @dataclass
 class TokenEvent:
     token_id: int
     finish_reason: str | None
-
-
-@dataclass
-class Params:
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
 
 
 class FakeEngine:
@@ -67,17 +52,18 @@ class FakeEngine:
         self.validated = 0
         self.on_finish = lambda: None  # the fixture wires this to FakeStats, like ranks reporting a step
 
-    def validate(self, ids: list[int], params: Params) -> None:
+    vocab_size = ByteTokenizer.vocab_size
+
+    async def validate(self, ids: list[int], params) -> None:
         self.validated += 1
-        if max(ids) >= ByteTokenizer.vocab_size:
-            raise FakeRequestError(f"token id {max(ids)} is outside the vocabulary", "invalid_token_id")
+        check_request(ids, params.max_tokens, self.vocab_size, self.max_model_len, self.max_seq_len)
         if "REJECT" in self.tokenizer.decode(ids):
-            raise FakeRequestError("the engine refuses this prompt", "engine_rejected")
+            raise RequestError("the engine refuses this prompt", "engine_rejected")
 
     async def health(self) -> dict:
         return {"ranks": 2}
 
-    async def generate(self, request_id: str, ids: list[int], params: Params):
+    async def generate(self, request_id: str, ids: list[int], params, cache_salt=None):
         self.started.append(request_id)
         prompt = self.tokenizer.decode(ids)
         reply = list(REPLY.encode())
@@ -169,8 +155,7 @@ def server():
     engine, stats = FakeEngine(), FakeStats()
     engine.on_finish = lambda: stats.add(3, 1)
     settings = Settings(dp=2, tp=1, served_model_name="fake-model", max_tokens_default=8)
-    api = create_api(engine, StatsMirror(stats, keepalive_s=0.3), settings, make_params=Params,
-                     request_errors=(FakeRequestError,))
+    api = create_api(engine, StatsMirror(stats, keepalive_s=0.3), settings)
     port = _free_port()
     uv = uvicorn.Server(uvicorn.Config(api, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=uv.run, daemon=True)

@@ -28,7 +28,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from aggregator.delta import Iteration
 
-from .errors import EngineError, RequestError, RequestFailed, one_line
+from .errors import EngineError, RequestError, RequestFailed, check_request, one_line
 from .loader import load_tokenizer
 from .sampling import SamplingParams
 from .stats_channel import StatsChannel
@@ -237,19 +237,8 @@ class Engine:
         return min(self.max_seq_len, self.max_request_tokens)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise RequestError for a request that must never reach a rank."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise RequestError("the prompt is empty", "empty_prompt")
-        if self.vocab_size and any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
-            raise RequestError(f"prompt token ids must be in [0, {self.vocab_size})", "invalid_prompt")
-        limit = self.max_model_len
-        if n + params.max_tokens > limit:
-            why = "" if limit == self.max_seq_len else " (the most one rank's KV cache holds)"
-            raise RequestError(
-                f"This model's maximum context length is {limit} tokens{why}. However, you requested "
-                f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} in the completion).",
-                "context_length_exceeded")
+        """Raise RequestError for a request that must never reach a rank (workers.errors.check_request)."""
+        check_request(prompt_token_ids, params.max_tokens, self.vocab_size, self.max_model_len, self.max_seq_len)
 
     async def generate(self, request_id: str | None, prompt_token_ids: list[int], params: SamplingParams,
                        cache_salt: str | None = None) -> AsyncIterator[TokenEvent]:

@@ -1,4 +1,5 @@
-"""The engine's errors, in a module without torch or Ray so the HTTP layer can map them to status codes."""
+"""The engine's request rules and errors, without torch or Ray, so the HTTP layer maps them to status codes
+and test fakes apply the very rules the engine applies."""
 
 from __future__ import annotations
 
@@ -25,3 +26,20 @@ def one_line(error: BaseException) -> str:
     cause = getattr(error, "cause", None) or error
     text = str(cause).strip().splitlines()
     return f"{type(cause).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def check_request(prompt_token_ids: list[int], max_tokens: int, vocab_size: int, max_model_len: int,
+                  max_seq_len: int) -> None:
+    """Raise RequestError for a request that must never reach a rank: the one place these rules live."""
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise RequestError("the prompt is empty", "empty_prompt")
+    if vocab_size and (max(prompt_token_ids) >= vocab_size or min(prompt_token_ids) < 0):
+        bad = max(prompt_token_ids) if max(prompt_token_ids) >= vocab_size else min(prompt_token_ids)
+        raise RequestError(f"token id {bad} is outside the vocabulary (ids 0..{vocab_size - 1})", "invalid_token_id")
+    if n + max_tokens > max_model_len:
+        why = "" if max_model_len == max_seq_len else " (the most one rank's KV cache holds)"
+        raise RequestError(
+            f"This model's maximum context length is {max_model_len} tokens{why}. However, you requested "
+            f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion).",
+            "context_length_exceeded")

@@ -1,0 +1,240 @@
+"""The OpenAI routes: /v1/completions, /v1/chat/completions and /v1/models over an `EngineProtocol`.
+
+Completions and chat share one path (`_Generation.respond`): tokenize, validate with the engine's own rules,
+stream token events, detokenize with stop strings, and answer as one JSON body or as SSE chunks. A client that
+goes away aborts the engine's request, streamed or not. The engine decides what a valid request is (prompt
+length, vocabulary); this module only maps its errors to HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any, Literal, Protocol
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from deployment import protocol
+from deployment.detokenize import TextStream
+from deployment.errors import APIError, clean_message, error_body
+from deployment.settings import Settings
+from deployment.sse import SSE_EVENT, SSE_HEADERS
+from workers.errors import EngineError, RequestError, RequestFailed
+
+logger = logging.getLogger("kvfleet.deployment")
+
+
+
+class EngineProtocol(Protocol):
+    """What the routes need of the engine: the in-process Engine, the ingress's EngineClient, test fakes."""
+
+    tokenizer: Any
+    max_model_len: int
+    max_seq_len: int
+    vocab_size: int
+
+    async def validate(self, prompt_token_ids: list[int], params: Any) -> None: ...
+    def generate(self, request_id: str | None, prompt_token_ids: list[int], params: Any,
+                 cache_salt: str | None = None) -> AsyncGenerator[Any, None]: ...
+    async def health(self) -> dict[str, Any]: ...
+
+
+def engine_error(exc: Exception) -> APIError:
+    """What a client sees of a failure: one clean line, never a traceback."""
+    if isinstance(exc, RequestError):
+        return APIError(400, exc.message, code=exc.code)
+    if isinstance(exc, EngineError):
+        return APIError(503, f"the engine cannot serve: {clean_message(exc)}", code="engine_unavailable")
+    if isinstance(exc, RequestFailed):
+        return APIError(500, clean_message(exc), code="request_failed")
+    logger.exception("generation failed")
+    return APIError(500, f"generation failed: {type(exc).__name__}", code="internal_error")
+
+
+async def _until_disconnected(request: Request) -> None:
+    """Returns when the client has gone away (only a disconnect can follow a fully read request body)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+class _Generation:
+    def __init__(self, engine: EngineProtocol, settings: Settings) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.model = settings.served_model_name
+        self.created = int(time.time())
+
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model:
+            raise APIError(404, f"model '{name}' does not exist; this server serves '{self.model}'",
+                           code="model_not_found", param="model")
+
+    def _prompt_ids(self, req: protocol.CompletionRequest | protocol.ChatCompletionRequest) -> list[int]:
+        tok = self.engine.tokenizer
+        if isinstance(req, protocol.ChatCompletionRequest):
+            try:  # encode_chat does not double a BOS that the model's template already writes
+                return tok.encode_chat(req.chat_messages())
+            except ValueError as exc:  # the template refused these messages (e.g. roles out of order)
+                raise APIError(400, f"chat template: {exc}", code="invalid_messages", param="messages") from None
+        if not isinstance(req.prompt, str):
+            return list(req.prompt)
+        try:
+            return tok.encode(req.prompt)
+        except ValueError as exc:
+            raise APIError(400, f"prompt: {exc}", code="invalid_prompt", param="prompt") from None
+
+    async def _params(self, req: protocol._SamplingRequest, ids: list[int]) -> Any:
+        from workers.sampling import SamplingParams  # torch: only where a request is served
+
+        max_tokens = req.max_tokens
+        if max_tokens is None:  # the server default, cut to what the context has left (the engine checks)
+            max_tokens = max(1, min(self.settings.max_tokens_default, self.engine.max_model_len - len(ids)))
+        try:
+            params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                    top_k=max(req.top_k, 0), seed=req.seed)
+        except ValueError as exc:
+            raise APIError(400, str(exc), code="invalid_sampling_params") from None
+        try:
+            await self.engine.validate(ids, params)
+        except RequestError as exc:
+            raise engine_error(exc) from None
+        return params
+
+    async def _text(self, rid: str, ids: list[int], params: Any, stop: list[str],
+                    usage: list[int]) -> AsyncIterator[tuple[str, str | None]]:
+        """Yields (text delta, None) while generating and ends with one (final delta, finish_reason)."""
+        tok = self.engine.tokenizer
+        text = TextStream(tok.detokenizer(), stop)
+        eos = set(tok.eos_token_ids)
+        events = self.engine.generate(rid, ids, params)
+        finish: str | None = None
+        pending = ""
+        try:
+            async for ev in events:
+                usage[1] += 1
+                finish = ev.finish_reason
+                if finish == "stop" and ev.token_id in eos:
+                    break
+                delta = text.add(ev.token_id)
+                if text.stopped:
+                    finish = "stop"
+                if finish is not None:
+                    pending = delta
+                    break
+                if delta:
+                    yield delta, None
+        finally:
+            await events.aclose()  # leaving early (stop string, disconnect) aborts the engine's request
+        if finish is None:
+            raise RuntimeError(f"engine ended request {rid} without a finish reason")
+        yield pending + text.finish(), finish
+
+    async def respond(self, request: Request, req: protocol.CompletionRequest | protocol.ChatCompletionRequest,
+                      kind: Literal["text_completion", "chat.completion"]) -> Response:
+        self._check_model(req.model)
+        ids = self._prompt_ids(req)
+        params = await self._params(req, ids)
+        rid = protocol.new_id("cmpl" if kind == "text_completion" else "chatcmpl")
+        usage = [len(ids), 0]  # prompt, completion tokens
+        text = self._text(rid, ids, params, req.stop_strings, usage)
+        if req.stream:
+            chunks = self._chunks(kind, rid, text, usage, req.include_usage)
+            return StreamingResponse(_in_band_errors(chunks), media_type="text/event-stream", headers=SSE_HEADERS)
+        build = protocol.completion_response if kind == "text_completion" else protocol.chat_response
+        return await _unless_disconnected(request, _collect(text), lambda t, f: build(
+            rid, self.model, t, f, protocol.usage(*usage)))
+
+    async def _chunks(self, kind: str, rid: str, text: AsyncIterator[tuple[str, str | None]], usage: list[int],
+                      include_usage: bool) -> AsyncIterator[str]:
+        m, created = self.model, self.created
+        if kind == "chat.completion":
+            yield _sse(protocol.chat_chunk(rid, m, created, {"role": "assistant", "content": ""}, None))
+        async for delta, finish in text:
+            if kind == "text_completion":
+                if delta or finish:
+                    yield _sse(protocol.completion_chunk(rid, m, created, delta, finish))
+                continue
+            if delta:
+                yield _sse(protocol.chat_chunk(rid, m, created, {"content": delta}, None))
+            if finish:
+                yield _sse(protocol.chat_chunk(rid, m, created, {}, finish))
+        if include_usage:
+            obj = "text_completion" if kind == "text_completion" else "chat.completion.chunk"
+            yield _sse(protocol.usage_chunk(rid, m, created, obj, protocol.usage(*usage)))
+
+
+async def _collect(text: AsyncIterator[tuple[str, str | None]]) -> tuple[str, str]:
+    parts, finish = [], "length"
+    try:
+        async for delta, reason in text:
+            parts.append(delta)
+            finish = reason or finish
+    except Exception as exc:
+        raise engine_error(exc) from None
+    return "".join(parts), finish
+
+
+async def _unless_disconnected(request: Request, work_coro: Any, build: Callable[[str, str], dict]) -> Response:
+    """A non-streamed answer; a client that leaves first aborts the engine's request (as a stream does)."""
+    work = asyncio.ensure_future(work_coro)
+    gone = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()  # closes the token stream, whose finally aborts the engine's request
+    if not work.done() or work.cancelled():
+        return Response(status_code=499)  # nobody is there to read it
+    text, finish = work.result()
+    return JSONResponse(build(text, finish))
+
+
+async def _in_band_errors(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except Exception as exc:  # the response has started: report in-band, as OpenAI does
+        err = engine_error(exc)
+        yield _sse(error_body(err.message, err.type, err.code))
+    yield "data: [DONE]\n\n"
+
+
+def openai_router(engine: EngineProtocol, settings: Settings) -> APIRouter:
+    gen = _Generation(engine, settings)
+    router = APIRouter(tags=["openai"])
+
+    @router.post("/v1/completions", responses=GENERATION_RESPONSES)
+    async def completions(req: protocol.CompletionRequest, request: Request) -> Response:
+        return await gen.respond(request, req, "text_completion")
+
+    @router.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
+    async def chat_completions(req: protocol.ChatCompletionRequest, request: Request) -> Response:
+        return await gen.respond(request, req, "chat.completion")
+
+    @router.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": gen.model, "object": "model", "created": gen.created,
+                                            "owned_by": "kvfleet", "max_model_len": engine.max_model_len}]}
+
+    return router
+
+
+_JSON_OR_SSE = {"application/json": {"schema": {"type": "object"}},
+                "text/event-stream": {"schema": SSE_EVENT}}
+GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "the completion (JSON), or its chunks as Server-Sent Events with stream=true",
+          "content": _JSON_OR_SSE},
+    404: {"description": "the model is not the served one"},
+    499: {"description": "the client went away before the answer (nothing is sent)"},
+    500: {"description": "the request failed on its ranks"},
+    503: {"description": "the engine cannot serve"},
+}

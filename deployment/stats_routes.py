@@ -1,0 +1,69 @@
+"""The statistics routes: /stats, /stats/stream, /stats/ranks, /kv_cache_stats and /metrics over the replica's
+StatsMirror (deployment/mirror.py). Reading never removes a record and never reaches the engine."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from deployment.errors import APIError
+from deployment.mirror import StatsMirror
+from deployment.sse import SSE_EVENT, SSE_HEADERS
+
+MAX_STATS_LIMIT = 10_000
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LIST = {"content": {"application/json": {"schema": {"type": "array", "items": {"type": "object"}}}}}
+
+
+def stats_router(stats: StatsMirror, world_size: int) -> APIRouter:
+    router = APIRouter(tags=["statistics"])
+
+    @router.get("/stats", responses={200: {"description": "cluster records, oldest first", **_LIST}})
+    async def get_stats(since: int = Query(-1, ge=-1, description="records with iter > since"),
+                        limit: int | None = Query(None, ge=0, le=MAX_STATS_LIMIT),
+                        ranks: bool = Query(False, description="include each rank's own record")) -> Response:
+        if ranks:
+            return JSONResponse(await stats.query(since, limit, True))
+        return Response(await stats.query_json(since, limit), media_type="application/json")
+
+    @router.get("/stats/stream", response_class=StreamingResponse, responses={200: {
+        "description": "the records as Server-Sent Events (id: iteration); resume with Last-Event-ID",
+        "content": {"text/event-stream": {"schema": SSE_EVENT}}}})
+    async def stats_stream(request: Request, since: int | None = Query(None, ge=-1)) -> Response:
+        start = -1 if since is None else since
+        header = request.headers.get("last-event-id")
+        if header is not None and header.strip():
+            try:
+                start = int(header)
+            except ValueError:
+                raise APIError(400, f"Last-Event-ID must be an iteration number, got {header!r}",
+                               code="invalid_last_event_id", param="Last-Event-ID") from None
+            if start < -1:
+                raise APIError(400, "Last-Event-ID must be >= -1", code="invalid_last_event_id",
+                               param="Last-Event-ID")
+        return StreamingResponse(stats.events(start), media_type="text/event-stream", headers=SSE_HEADERS)
+
+    @router.get("/stats/ranks")
+    async def all_ranks() -> dict:
+        return await stats.ranks()
+
+    @router.get("/stats/ranks/{rank}", responses={404: {"description": "no such rank, or it has not reported"}})
+    async def one_rank(rank: int) -> dict:
+        if not 0 <= rank < world_size:
+            raise APIError(404, f"unknown rank {rank}: this engine has ranks 0..{world_size - 1}",
+                           code="unknown_rank", param="rank")
+        found = (await stats.ranks()).get(str(rank))
+        if found is None:
+            raise APIError(404, f"rank {rank} has not reported yet", code="rank_not_reported", param="rank")
+        return found
+
+    @router.get("/kv_cache_stats")
+    async def kv_cache_stats() -> dict:
+        return await stats.kv_cache_stats()
+
+    @router.get("/metrics", response_class=PlainTextResponse, responses={200: {
+        "description": "Prometheus text exposition", "content": {"text/plain": {"schema": {"type": "string"}}}}})
+    async def metrics() -> Response:
+        return PlainTextResponse(await stats.metrics_text(), media_type=PROMETHEUS_CONTENT_TYPE)
+
+    return router
