@@ -8,7 +8,9 @@ Modules, lowest first:
 - `tokenizer`: the byte tokenizer and `tokenizer.json`, chat templates, the incremental detokenizer.
 - `loader`: loads a model directory or the built-in random model, each tp rank its slice; KV cache sizing.
 - `worker`: `RankWorker`, one rank's actor (model shard + KV cache manager); returns its stats delta per step.
-- `engine`: `Engine`, the scheduler and step loop over dp groups; places requests, handles failed ranks.
+- `ranks`: an engine's rank actors, one placement group per dp group: start, tp rendezvous, stop.
+- `scheduler`: a dp group's queues and the rule that plans its step (decodes first, then prefill chunks).
+- `engine`: `Engine`, the step loop over dp groups; places requests, handles failed requests and ranks.
 - `stats_channel`: the engine's end of the stats channel: iterations to the aggregator until acknowledged.
-- `errors`: `RequestError` (400), `RequestFailed` (500), `EngineError` (503); no torch, no Ray.
+- `errors`: the request rules and `RequestError` (400), `RequestFailed` (500), `EngineError` (503); no torch.
 """

@@ -1,7 +1,7 @@
 """The engine: continuous batching over dp groups of rank actors that step in lockstep.
 
-It lives in the Serve ingress replica. Each step it plans, per dp group, which requests to create, run (with
-a token budget: decodes first, then prefill chunks, oldest first) and close; every rank of the cluster then
+It lives in the engine's Serve replica. Each step it plans, per dp group, which requests to create, run and
+close (workers/scheduler.py); every rank of the cluster then
 steps with its group's plan (an idle group steps with an empty plan, so every rank reports every iteration
 and the aggregator can close it). When no group has anything to do the engine does not step at all.
 Iterations are numbered globally and continue after the aggregator's last emitted iteration, so a restarted
@@ -17,26 +17,23 @@ import itertools
 import logging
 import random
 import time
-from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from aggregator.delta import Iteration
 
+from . import ranks
 from .errors import EngineError, RequestError, RequestFailed, check_request, one_line
 from .loader import load_tokenizer
 from .sampling import SamplingParams
+from .scheduler import Group, Request, plan_group
 from .stats_channel import StatsChannel
-from .worker import NewRequest, RankSpec, RankWorker, StepPlan, StepResult, Work
+from .worker import NewRequest, StepPlan, StepResult, Work
 
 log = logging.getLogger("kvfleet.engine")
-
-SETUP_TIMEOUT_S = 600.0
 
 
 def first_iteration(last_emitted: int | None) -> int:
@@ -67,45 +64,6 @@ class _StepFailure:
 NO_PROGRESS_PAUSE_S = (0.001, 0.25)
 
 
-@dataclass
-class _Request:
-    id: str
-    prompt: list[int]
-    params: SamplingParams
-    cache_salt: str | None
-    max_new: int
-    dp: int = -1
-    generated: list[int] = field(default_factory=list)
-    known_history: int = 0  # what the ranks last reported as computed
-    append: int | None = None  # sampled last step, not yet sent to the ranks
-    created: bool = False
-    done: bool = False
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    warmup: bool = False
-
-    @property
-    def total(self) -> int:
-        return len(self.prompt) + len(self.generated)
-
-
-@dataclass
-class _Group:
-    waiting: deque = field(default_factory=deque)
-    running: list = field(default_factory=list)
-    to_close: list = field(default_factory=list)
-    down: str | None = None  # why the group no longer steps (one of its ranks is gone)
-
-    @property
-    def load(self) -> int:
-        return len(self.waiting) + len(self.running)
-
-
-def _device(settings: Any) -> str:
-    if settings.device != "auto":
-        return settings.device
-    return "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
-
-
 class Engine:
     """Owns the rank actors and the aggregator handle; `generate` streams one request's tokens."""
 
@@ -126,8 +84,8 @@ class Engine:
         self.preemptions = 0
         self.error: str | None = None
         self._pgs: list = []
-        self._groups = [_Group() for _ in range(settings.dp)]
-        self._requests: dict[str, _Request] = {}
+        self._groups = [Group() for _ in range(settings.dp)]
+        self._requests: dict[str, Request] = {}
         self._wake = asyncio.Event()  # set while there may be work; cleared only when no group has any
         self._changed = asyncio.Event()  # a request arrived, finished or left since the last step began
         self._loop_task: asyncio.Task | None = None
@@ -139,8 +97,8 @@ class Engine:
         from aggregator import get_or_create_aggregator
 
         s = self.settings
-        device = _device(s)
-        dtype = s.dtype if s.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+        device = ranks.device_of(s)
+        dtype = ranks.dtype_of(s, device)
         self.aggregator = get_or_create_aggregator(s.engine_id, self.world_size, s.tp, s.stats_buffer_size)
         health = await self.aggregator.health.remote()
         if (health["world_size"], health["tp"]) != (self.world_size, s.tp):
@@ -149,31 +107,12 @@ class Engine:
                 f"{health['world_size']} and tp {health['tp']}, but this engine has {self.world_size} ranks "
                 f"(tp {s.tp}): use another engine_id, or stop the old engine first")
         self.iteration = first_iteration(health.get("last_iter"))
-        actor_cls = ray.remote(RankWorker)
         for dp in range(s.dp):
-            bundle = {"CPU": s.num_cpus_per_rank, **({"GPU": 1} if device == "cuda" else {})}
-            pg = placement_group([bundle] * s.tp, strategy="STRICT_PACK", name=f"kvfleet-{s.engine_id}-dp{dp}")
+            pg, workers = await ranks.start_group(s, dp, device, dtype)
             self._pgs.append(pg)
-            await asyncio.wait_for(pg.ready(), SETUP_TIMEOUT_S)
-            for tp_rank in range(s.tp):
-                rank = dp * s.tp + tp_rank
-                spec = RankSpec(
-                    engine_id=s.engine_id, rank=rank, dp=s.dp, tp=s.tp, model=s.model, device=device, dtype=dtype,
-                    seed=s.seed, tokens_per_block=s.tokens_per_block, max_seq_len=s.max_seq_len,
-                    max_num_batched_tokens=s.max_num_batched_tokens, kv_cache_bytes=s.kv_cache_bytes,
-                    gpu_memory_fraction=s.gpu_memory_fraction, host_cache_bytes=s.host_cache_bytes,
-                    enable_block_reuse=s.enable_block_reuse, enable_partial_reuse=s.enable_partial_reuse,
-                    enable_stats=s.enable_stats, num_threads=max(1, int(s.num_cpus_per_rank)))
-                strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=tp_rank)
-                self.workers.append(actor_cls.options(
-                    name=f"kvfleet-rank-{s.engine_id}-{rank}", num_cpus=s.num_cpus_per_rank,
-                    num_gpus=1 if device == "cuda" else 0, scheduling_strategy=strategy,
-                    max_restarts=0).remote(spec))
-        addrs = [await self.workers[dp * s.tp].address.remote() for dp in range(s.dp)]
-        setups = []
-        for dp, addr in enumerate(addrs):
-            setups += [w.setup.remote(addr["ip"], addr["port"]) for w in self.workers[dp * s.tp:(dp + 1) * s.tp]]
-        self.rank_info = await asyncio.wait_for(asyncio.gather(*setups), SETUP_TIMEOUT_S)
+            self.workers += workers
+        groups = [self.workers[dp * s.tp:(dp + 1) * s.tp] for dp in range(s.dp)]
+        self.rank_info = [info for group in await asyncio.gather(*map(ranks.setup_group, groups)) for info in group]
         self.max_request_tokens = min(info["max_request_tokens"] for info in self.rank_info)
         self.vocab_size = self.rank_info[0]["vocab_size"]
         if s.enable_stats:
@@ -217,16 +156,7 @@ class Engine:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.stats.drained(), 5.0)
             await self.stats.close()
-        for w in self.workers:
-            try:
-                ray.kill(w)
-            except Exception:
-                pass
-        for pg in self._pgs:
-            try:
-                remove_placement_group(pg)
-            except Exception:
-                pass
+        ranks.stop(self.workers, self._pgs)
         self.workers, self._pgs = [], []
 
     # ---- requests ----------------------------------------------------------------------------------------------
@@ -254,7 +184,7 @@ class Engine:
         up = [dp for dp, g in enumerate(self._groups) if g.down is None]
         if not up:
             raise EngineError("every dp group is down")
-        req = _Request(rid, list(prompt_token_ids), params, cache_salt, params.max_tokens)
+        req = Request(rid, list(prompt_token_ids), params, cache_salt, params.max_tokens)
         req.dp = min(up, key=lambda dp: self._groups[dp].load)
         self._groups[req.dp].waiting.append(req)
         self._requests[rid] = req
@@ -302,7 +232,7 @@ class Engine:
         pause = 0.0
         while True:
             await self._wake.wait()
-            plans = [None if g.down else self._plan(g) for g in self._groups]
+            plans = [None if g.down else plan_group(g, self.iteration, self.settings) for g in self._groups]
             if not any(p is not None and (p.new or p.work or p.close) for p in plans):
                 self._wake.clear()
                 continue
@@ -393,7 +323,7 @@ class Engine:
                 f"group {i}: {other.down}" for i, other in enumerate(self._groups))
             self._fail_all(EngineError(self.error))
 
-    def _finish_failed(self, g: _Group, req: _Request, error: BaseException) -> None:
+    def _finish_failed(self, g: Group, req: Request, error: BaseException) -> None:
         req.done = True
         self._requests.pop(req.id, None)
         if req in g.running:
@@ -402,35 +332,7 @@ class Engine:
         self._poke()
         req.queue.put_nowait(error)
 
-    def _plan(self, g: _Group) -> StepPlan:
-        s = self.settings
-        plan = StepPlan(self.iteration, close=g.to_close)
-        g.to_close = []
-        while g.waiting and len(g.running) < s.max_num_seqs:
-            req = g.waiting.popleft()
-            plan.new.append(NewRequest(req.id, req.prompt, req.params, req.cache_salt))
-            req.created = True
-            g.running.append(req)
-        budget = s.max_num_batched_tokens
-        decodes = [r for r in g.running if r.total - r.known_history <= 1]
-        prefills = [r for r in g.running if r.total - r.known_history > 1]
-        given: dict[str, int] = {}
-        for r in decodes[:budget]:
-            given[r.id] = 1
-        budget -= len(given)
-        for r in prefills:
-            if budget <= 0:
-                break
-            n = min(budget, r.total - r.known_history)
-            given[r.id] = n
-            budget -= n
-        for r in g.running:  # priority: oldest first
-            if r.id in given:
-                plan.work.append(Work(r.id, given[r.id], r.append))
-                r.append = None
-        return plan
-
-    def _apply(self, g: _Group, res: StepResult) -> None:
+    def _apply(self, g: Group, res: StepResult) -> None:
         eos = self.tokenizer.eos_token_ids  # any of them stops a request (Llama-3 has two, SmolLM2 has two)
         for rid, why in res.failed.items():
             req = self._requests.get(rid)

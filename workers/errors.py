@@ -36,7 +36,7 @@ def check_request(prompt_token_ids: list[int], max_tokens: int, vocab_size: int,
         raise RequestError("the prompt is empty", "empty_prompt")
     if vocab_size and (max(prompt_token_ids) >= vocab_size or min(prompt_token_ids) < 0):
         bad = max(prompt_token_ids) if max(prompt_token_ids) >= vocab_size else min(prompt_token_ids)
-        raise RequestError(f"token id {bad} is outside the vocabulary (ids 0..{vocab_size - 1})", "invalid_token_id")
+        raise RequestError(f"prompt token ids must be in [0, {vocab_size}), got {bad}", "invalid_token_id")
     if n + max_tokens > max_model_len:
         why = "" if max_model_len == max_seq_len else " (the most one rank's KV cache holds)"
         raise RequestError(

@@ -1,0 +1,80 @@
+"""A dp group's queues and the rule that plans its step.
+
+Each group keeps its waiting requests (FIFO), its running ones (oldest first: their order is the ranks'
+preemption priority) and the ids to close on its ranks next step. A plan admits waiting requests while the
+group runs fewer than `max_num_seqs`, then spends the step's token budget on decodes first (one token each),
+then on prefill chunks, oldest first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from .sampling import SamplingParams
+from .worker import NewRequest, StepPlan, Work
+
+
+@dataclass
+class Request:
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    cache_salt: str | None
+    max_new: int
+    dp: int = -1
+    generated: list[int] = field(default_factory=list)
+    known_history: int = 0  # what the ranks last reported as computed
+    append: int | None = None  # sampled last step, not yet sent to the ranks
+    created: bool = False
+    done: bool = False
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    warmup: bool = False
+
+    @property
+    def total(self) -> int:
+        return len(self.prompt) + len(self.generated)
+
+
+@dataclass
+class Group:
+    waiting: deque = field(default_factory=deque)
+    running: list = field(default_factory=list)
+    to_close: list = field(default_factory=list)
+    down: str | None = None  # why the group no longer steps (one of its ranks is gone)
+
+    @property
+    def load(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+
+def plan_group(g: Group, iteration: int, s: Any) -> StepPlan:
+    """One group's plan: new requests while there is room, then a token budget: decodes first, then prefill
+    chunks, oldest first."""
+    plan = StepPlan(iteration, close=g.to_close)
+    g.to_close = []
+    while g.waiting and len(g.running) < s.max_num_seqs:
+        req = g.waiting.popleft()
+        plan.new.append(NewRequest(req.id, req.prompt, req.params, req.cache_salt))
+        req.created = True
+        g.running.append(req)
+    budget = s.max_num_batched_tokens
+    decodes = [r for r in g.running if r.total - r.known_history <= 1]
+    prefills = [r for r in g.running if r.total - r.known_history > 1]
+    given: dict[str, int] = {}
+    for r in decodes[:budget]:
+        given[r.id] = 1
+    budget -= len(given)
+    for r in prefills:
+        if budget <= 0:
+            break
+        n = min(budget, r.total - r.known_history)
+        given[r.id] = n
+        budget -= n
+    for r in g.running:  # priority: oldest first
+        if r.id in given:
+            plan.work.append(Work(r.id, given[r.id], r.append))
+            r.append = None
+    return plan
