@@ -70,8 +70,8 @@ def _uniform(rows: list[tuple[RankLayout, np.ndarray]]) -> bool:
 
 
 def _merge_uniform(rows: list[tuple[RankLayout, np.ndarray]]) -> Merged:
-    """The same rules as `_merge_general`, as whole-array operations on the [dp, tp, row] stack: at 256 ranks
-    the per-rank loop cost ~30 us a rank, most of the aggregator's time (bench/aggregator_bench.py)."""
+    """The same rules as `_merge_general`, as whole-array operations on the [dp, tp, row] stack: the per-rank
+    loop was most of the aggregator's time at 256 ranks (bench/aggregator_bench.py; figures in bench/README.md)."""
     lay = rows[0][0]
     tp = 1 + max(la.tp_rank for la, _ in rows)
     stack = np.stack([r for _, r in rows]).reshape(len(rows) // tp, tp, -1)
