@@ -24,7 +24,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from .loader import load_tokenizer
+from .loader import check_model, load_tokenizer
 from .sampling import SamplingParams
 from .worker import NewRequest, RankSpec, RankWorker, StepPlan, StepResult, Work
 
@@ -95,6 +95,7 @@ class Engine:
 
     def __init__(self, settings: Any) -> None:
         self.settings = settings
+        check_model(settings.model or None, settings.tp)  # a bad file or tp fails here, before any rank exists
         self.tokenizer = load_tokenizer(settings.model or None)
         self.model_name = settings.served_model_name
         self.max_seq_len = settings.max_seq_len
