@@ -160,7 +160,7 @@ class Server:
 def server():
     engine, stats = FakeEngine(), FakeStats()
     engine.on_finish = lambda: stats.add(3, 1)
-    settings = Settings(dp=2, tp=1, served_model_name="fake-model", max_tokens_default=8)
+    settings = Settings(model="random", dp=2, tp=1, served_model_name="fake-model", max_tokens_default=8)
     api = create_api(engine, stats, settings, make_params=Params, keepalive_s=0.3,
                      request_errors=(FakeRequestError,))
     port = _free_port()
