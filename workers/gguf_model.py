@@ -147,8 +147,8 @@ def gguf_config(reader: Any, path: str) -> ModelConfig:
             num_kv_heads=int(key("attention.head_count_kv", heads)),
             head_dim=head_dim,
             model_type=arch,
-            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=float(key("rope.freq_base", 10000.0)),
+            rms_norm_eps=_f32(key("attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=_f32(key("rope.freq_base", 10000.0)),
             rope_scaling=scaling,
             max_position_embeddings=int(key("context_length", 4096)),
             tie_word_embeddings="output.weight" not in {t.name for t in reader.tensors},
@@ -157,6 +157,13 @@ def gguf_config(reader: Any, path: str) -> ModelConfig:
         )
     except ValueError as exc:
         raise GGUFError(f"GGUF file {path!r}: {exc}") from None
+
+
+def _f32(value: Any) -> float:
+    """A float32 metadata value as the decimal it was written from (1e-05, not 9.999999747378752e-06)."""
+    import numpy as np
+
+    return float(str(np.float32(value)))
 
 
 def hf_name(gguf_name: str) -> str | None:
