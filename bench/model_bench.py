@@ -8,7 +8,8 @@ the same work) through (a) kvfleet's engine, dp 1 x tp 1, stats on, every reques
 batches; its best batch size is the one compared. A request's latency runs from the common start to its
 last token (for transformers: the end of its batch). Both sides get the same number of torch threads. kvfleet
 runs before and after transformers and the two runs are averaged, so a load that drifts over the minutes
-of the run (a shared 2-core machine) does not favour either side.
+of the run (a shared 2-core machine) does not favour either side, and this process runs at Ray's worker
+niceness (15), so under other load transformers is not favoured over the rank actor either.
 Then TTFT of a chat request whose long system prompt is served from kvfleet's prefix cache vs one whose
 system prompt is new. Prints ratios kvfleet / transformers; asserts nothing.
 """
@@ -31,6 +32,7 @@ from workers.loader import load_tokenizer  # noqa: E402
 from workers.sampling import SamplingParams  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
+RAY_WORKER_NICENESS = 15  # what the raylet gives worker processes, the rank actor included
 WORDS = ("the paged cache keeps every block of every rank in one pool so that shared prefixes are computed "
          "once and reused by later requests while cold blocks move to the host tier").split()
 
@@ -157,5 +159,6 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
+    os.setpriority(os.PRIO_PROCESS, 0, RAY_WORKER_NICENESS)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     asyncio.run(main())
