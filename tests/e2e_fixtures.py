@@ -13,7 +13,8 @@ import httpx
 import pytest
 
 E2E_APP_NAME = "kvfleet-e2e"
-E2E_SETTINGS = {"num_cpus_per_rank": "0.5", "max_seq_len": "256", "max_tokens_default": "8"}
+# the built-in random model and its small KV cache: the e2e tests check the serving machinery, not a model
+E2E_SETTINGS = {"model": "random", "num_cpus_per_rank": "0.5", "max_seq_len": "256", "max_tokens_default": "8"}
 START_TIMEOUT_S = 300
 
 
@@ -38,9 +39,8 @@ def wait_healthy(url: str, timeout_s: float) -> None:
     raise TimeoutError(f"{url}/health not healthy after {timeout_s}s: {last}")
 
 
-@pytest.fixture(scope="session")
-def serve_app(ray_cluster) -> str:
-    """Base URL (http://127.0.0.1:PORT) of the running kvfleet app."""
+def start_app(name: str, settings: dict, route_prefix: str = "/") -> str:
+    """Run a kvfleet app on the session's Serve (started here if need be); its base URL once healthy."""
     from ray import serve
 
     from deployment import build_app
@@ -53,10 +53,18 @@ def serve_app(ray_cluster) -> str:
         port = _get_global_client().http_config.port  # Serve may already be running with its own port
     except Exception:
         pass
-    serve.run(build_app(E2E_SETTINGS), name=E2E_APP_NAME, route_prefix="/")
-    url = f"http://127.0.0.1:{port}"
+    serve.run(build_app(settings), name=name, route_prefix=route_prefix)
+    url = f"http://127.0.0.1:{port}{route_prefix.rstrip('/')}"
     wait_healthy(url, START_TIMEOUT_S)
-    yield url
+    return url
+
+
+@pytest.fixture(scope="session")
+def serve_app(ray_cluster) -> str:
+    """Base URL (http://127.0.0.1:PORT) of the running kvfleet app."""
+    from ray import serve
+
+    yield start_app(E2E_APP_NAME, E2E_SETTINGS)
     serve.delete(E2E_APP_NAME)
 
 

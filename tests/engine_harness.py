@@ -54,7 +54,7 @@ def longest_request(w: RankWorker) -> int:
 
 async def make_engine(**overrides) -> Engine:
     """An engine stepping in the running loop; `engine.ranks` are the LocalRanks, `engine.rank_workers` theirs."""
-    base = dict(engine_id="local", dp=1, tp=1, device="cpu", max_seq_len=256, kv_cache_bytes=512 << 10,
+    base = dict(model="random", engine_id="local", dp=1, tp=1, device="cpu", max_seq_len=256, kv_cache_bytes=512 << 10,
                 host_cache_bytes=0, max_num_batched_tokens=48, seed=0, tokens_per_block=16)
     s = Settings(**{**base, **overrides})
     eng = Engine(s)

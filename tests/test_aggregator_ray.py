@@ -52,7 +52,7 @@ def test_a_killed_rank_is_named_missing_at_once_and_the_other_group_serves(ray_c
     from workers.sampling import SamplingParams
 
     async def main():
-        eng = Engine(Settings(engine_id="t-rank-kill", dp=2, tp=1, device="cpu", max_seq_len=128,
+        eng = Engine(Settings(model="random", engine_id="t-rank-kill", dp=2, tp=1, device="cpu", max_seq_len=128,
                               kv_cache_bytes=256 << 10, host_cache_bytes=0))
         await eng.start()
         try:

@@ -25,7 +25,8 @@ def test_defaults_are_the_cpu_demo(monkeypatch):
     for name in Settings.model_fields:
         monkeypatch.delenv(f"KVFLEET_{name.upper()}", raising=False)
     s = parse_settings({})
-    assert (s.dp, s.tp, s.model, s.device) == (2, 1, "", "auto")
+    assert (s.dp, s.tp, s.model, s.device) == (2, 1, "smollm2-135m-instruct", "auto")
+    assert s.served_model_name == "smollm2-135m-instruct"  # follows the model unless set
 
 
 @pytest.mark.parametrize("args,needle", [

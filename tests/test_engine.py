@@ -23,7 +23,7 @@ from workers.sampling import SamplingParams
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 
 SETTINGS = dict(engine_id="engine-test", dp=2, tp=1, device="cpu", max_seq_len=256, kv_cache_bytes=512 << 10,
-                host_cache_bytes=256 << 10, max_num_batched_tokens=48, seed=0)
+                host_cache_bytes=256 << 10, max_num_batched_tokens=48, seed=0, model="random")
 
 
 def reference_greedy(prompt: list[int], n: int, seed: int = 0) -> list[int]:

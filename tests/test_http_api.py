@@ -154,7 +154,7 @@ class Server:
 def server():
     engine, stats = FakeEngine(), FakeStats()
     engine.on_finish = lambda: stats.add(3, 1)
-    settings = Settings(dp=2, tp=1, served_model_name="fake-model", max_tokens_default=8)
+    settings = Settings(model="random", dp=2, tp=1, served_model_name="fake-model", max_tokens_default=8)
     api = create_api(engine, StatsMirror(stats, keepalive_s=0.3), settings)
     port = _free_port()
     uv = uvicorn.Server(uvicorn.Config(api, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))

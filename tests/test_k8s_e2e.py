@@ -37,8 +37,8 @@ VENV_BIN = Path(sys.executable).parent
 CPU_OVERRIDES = {
     "KVFLEET_DEVICE": "cpu",
     "KVFLEET_DTYPE": "float32",
-    "KVFLEET_KV_CACHE_BYTES": str(2 << 20),
-    "KVFLEET_HOST_CACHE_BYTES": str(4 << 20),
+    "KVFLEET_KV_CACHE_BYTES": "0",  # the CPU default: room for 1024 tokens of the model
+    "KVFLEET_HOST_CACHE_BYTES": "-1",  # room for 2048 tokens
     "KVFLEET_NUM_CPUS_PER_RANK": "1",
     "KVFLEET_MAX_SEQ_LEN": "512",
 }
@@ -199,6 +199,12 @@ def _port_open(port: int) -> bool:
         return False
 
 
+def served_model_name(env: dict[str, str]) -> str:
+    from deployment.settings import Settings
+
+    return Settings(**{k.removeprefix("KVFLEET_").lower(): v for k, v in env.items()}).served_model_name
+
+
 def local_serve_config(http_port: int) -> dict[str, Any]:
     """The manifest's serveConfigV2 with CPU settings, and its proxy on the head only: two nodes on one host
     cannot both bind the Serve port (on Kubernetes each pod has its own network namespace)."""
@@ -245,7 +251,7 @@ def test_serve_config_runs_ranks_on_the_worker_node(two_node_cluster, tmp_path):
         wait_for("the Serve app to answer /health", healthy, 420, 3)
 
         completion = client.post("/v1/completions", json={
-            "model": settings_env["KVFLEET_SERVED_MODEL_NAME"], "prompt": "KubeRay places ranks on", "max_tokens": 8,
+            "model": served_model_name(settings_env), "prompt": "KubeRay places ranks on", "max_tokens": 8,
         })
         assert completion.status_code == 200, completion.text
         body = completion.json()

@@ -1,10 +1,13 @@
 """Tensor parallelism over gloo in two real processes: tp=2 matches tp=1; a missing peer fails clearly."""
 
+import dataclasses
 import time
+from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from gguf_support import TINY, tiny_hf_weights, write_gguf
 from test_model_support import greedy, make_manager, save_hf_model, teacher_forced_logits
 
 from workers.loader import load_model
@@ -16,7 +19,8 @@ PROMPT = SEQ[:50]
 
 def _run_models(ckpt: str, tp_rank: int, tp_size: int) -> dict:
     out = {}
-    for name, path in (("builtin", None), ("qwen3", ckpt)):
+    gguf = str(Path(ckpt).parent / "tiny.gguf")  # Q8_0, written beside it: each rank dequantizes only its rows
+    for name, path in (("builtin", None), ("qwen3", ckpt), ("gguf", gguf)):
         model, cfg = load_model(path, tp_rank=tp_rank, tp_size=tp_size, max_seq_len=128)
         mgr = make_manager(cfg, tp_size=tp_size, max_seq_len=128)
         out[name] = {
@@ -40,6 +44,8 @@ def test_tp2_matches_tp1(tmp_path):
     ckpt = tmp_path / "qwen3"
     save_hf_model("qwen3", ckpt, seed=4, attention_bias=True, use_sliding_window=True, sliding_window=6,
                   layer_types=["full_attention", "sliding_attention", "full_attention"])
+    cfg = dataclasses.replace(TINY, vocab_size=97)
+    write_gguf(tmp_path / "tiny.gguf", tiny_hf_weights(cfg, seed=5), cfg, quant="Q8_0")
     ctx = mp.spawn(_tp_worker, args=(2, free_port(), str(ckpt), str(tmp_path)), nprocs=2, join=False)
     deadline = time.monotonic() + 240
     while not ctx.join(timeout=1):
@@ -49,7 +55,7 @@ def test_tp2_matches_tp1(tmp_path):
             pytest.fail("tp workers did not finish within 240 s")
     ref = _run_models(str(ckpt), 0, 1)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-    for name in ("builtin", "qwen3"):
+    for name in ("builtin", "qwen3", "gguf"):
         # every rank returns the same logits (replicated head after the all-reduce)
         assert torch.equal(ranks[0][name]["logits"], ranks[1][name]["logits"])
         assert ranks[0][name]["greedy"] == ranks[1][name]["greedy"] == ref[name]["greedy"]

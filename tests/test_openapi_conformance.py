@@ -22,7 +22,7 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 def _app():
     stats = FakeStats()
     stats.add(3, 1)
-    return create_api(FakeEngine(), StatsMirror(stats, keepalive_s=0.1), Settings(dp=2, tp=1,
+    return create_api(FakeEngine(), StatsMirror(stats, keepalive_s=0.1), Settings(model="random", dp=2, tp=1,
                       served_model_name="fake-model", max_tokens_default=4))
 
 

@@ -27,7 +27,7 @@ from aggregator.delta import Iteration
 
 from . import ranks
 from .errors import EngineError, RequestError, RequestFailed, check_request, one_line
-from .loader import load_tokenizer
+from .loader import check_model, load_tokenizer
 from .sampling import SamplingParams
 from .scheduler import Group, Request, plan_group
 from .stats_channel import StatsChannel
@@ -69,6 +69,7 @@ class Engine:
 
     def __init__(self, settings: Any) -> None:
         self.settings = settings
+        check_model(settings.model or None, settings.tp)  # a bad file or tp fails here, before any rank exists
         self.tokenizer = load_tokenizer(settings.model or None)
         self.model_name = settings.served_model_name
         self.max_seq_len = settings.max_seq_len

@@ -1,8 +1,12 @@
-"""Loading a model (Hugging Face directory or the built-in random one) and sizing its KV cache.
+"""Loading a model (a name, a GGUF file, a Hugging Face directory, or the built-in random one) and sizing its
+KV cache.
 
-A model directory holds `config.json`, `*.safetensors` and `tokenizer.json`. Each tp rank reads only its
-slice of every sharded tensor (`safe_open(...).get_slice`), straight into parameters created on the target
-device and dtype. The built-in default (`path` None or "") is a small Qwen3-style model with one
+`resolve_model` is the one table of what `KVFLEET_MODEL` may say: "random" (or "") is the built-in model, a
+name in `gguf_model.PACKAGED_MODELS` (the default, "smollm2-135m-instruct") is a GGUF file a pip package
+ships, a path ending in `.gguf` is a GGUF file (`workers/gguf_model.py`), any other path a Hugging Face
+directory. A model directory holds `config.json`, `*.safetensors` and `tokenizer.json`. Each tp rank reads
+only its slice of every sharded tensor (`safe_open(...).get_slice`), straight into parameters created on the
+target device and dtype. The built-in model ("random") is a small Qwen3-style model with one
 sliding-window layer and the byte tokenizer's vocabulary; its full weights are drawn from a fixed seed and
 then sliced like a checkpoint, so tp=2 is the same model as tp=1 and every rank of every run agrees without
 a download.
@@ -20,12 +24,52 @@ from typing import Any
 import torch
 
 from workers.config import ModelConfig
+from workers.gguf_model import PACKAGED_MODELS, GGUFSource, check_gguf, packaged_gguf, read_gguf
 from workers.model import Model
 from workers.tokenizer import ByteTokenizer, HFTokenizer
 
 log = logging.getLogger(__name__)
 
-CPU_DEFAULT_KV_CACHE_BYTES = 2 << 20
+RANDOM_MODEL = "random"
+DEFAULT_MODEL = "smollm2-135m-instruct"
+# CPU defaults, in tokens of the model's KV so they suit any model: the built-in one gets 2 MiB and 4 MiB,
+# SmolLM2-135M (45 KiB a token in fp32) 45 MiB and 90 MiB
+CPU_DEFAULT_KV_TOKENS = 1024
+DEFAULT_HOST_KV_TOKENS = 2048
+
+
+def resolve_model(model: str | None) -> tuple[str, str | None]:
+    """`(kind, path)` of a model setting: ("random", None), ("gguf", file) or ("hf", directory).
+
+    Raises ValueError (a GGUFError for GGUF files) when the name is unknown or the path does not exist."""
+    if not model or model == RANDOM_MODEL:
+        return RANDOM_MODEL, None
+    if model in PACKAGED_MODELS:
+        return "gguf", str(packaged_gguf(model))
+    p = Path(model)
+    if p.suffix == ".gguf":
+        return "gguf", model
+    if p.is_dir():
+        return "hf", model
+    names = ", ".join([RANDOM_MODEL, *PACKAGED_MODELS])
+    raise ValueError(f"model {model!r} is neither a known name ({names}), a .gguf file nor a model directory")
+
+
+def check_model(model: str | None, tp_size: int = 1) -> ModelConfig:
+    """The model's config, checked without loading weights (GGUF: header, architecture, tensor types) and
+    against `tp_size`: what the engine calls before it creates any rank."""
+    kind, path = resolve_model(model)
+    if kind == RANDOM_MODEL:
+        cfg = default_config()
+    elif kind == "gguf":
+        cfg = check_gguf(path)
+    else:
+        cfg = ModelConfig.from_dir(path)
+    try:
+        cfg.check_tp(tp_size)
+    except ValueError as exc:
+        raise ValueError(f"model {model!r}: {exc}") from None
+    return cfg
 
 
 def default_config() -> ModelConfig:
@@ -81,18 +125,22 @@ def load_model(
 ) -> tuple[Model, ModelConfig]:
     """Build the model for tp rank `tp_rank` of `tp_size` and fill its weights.
 
-    path: a Hugging Face model directory, or None / "" for the built-in random model (weights from `seed`).
+    path: a model setting (see `resolve_model`); None / "" / "random" is the built-in model (weights from `seed`).
     max_seq_len: longest sequence the model will serve (default: the config's max_position_embeddings).
     With tp_size > 1, torch.distributed must already be initialised (`workers.parallel.init_tp_group`).
     Returns (model in eval mode, the full unsharded ModelConfig).
     """
     device = torch.device(device)
-    if not path:
+    kind, file = resolve_model(path)
+    if kind == RANDOM_MODEL:
         cfg = default_config()
         source: _Source = _DictSource(random_weights(cfg, seed))
+    elif kind == "gguf":
+        cfg = check_gguf(file)
+        source = GGUFSource(read_gguf(file), cfg, file)  # type: ignore[assignment]
     else:
-        cfg = ModelConfig.from_dir(path)
-        source = _SafetensorsSource(Path(path))
+        cfg = ModelConfig.from_dir(file)
+        source = _SafetensorsSource(Path(file))
     cfg.check_tp(tp_size)
     if max_seq_len is not None and max_seq_len > cfg.max_position_embeddings:
         log.warning(
@@ -105,7 +153,7 @@ def load_model(
     model.eval()
     log.info(
         "model loaded: %s, %d layers, tp %d/%d, %s %s",
-        path or "built-in random",
+        file or "built-in random",
         cfg.num_layers,
         tp_rank,
         tp_size,
@@ -116,8 +164,17 @@ def load_model(
 
 
 def load_tokenizer(path: str | None) -> ByteTokenizer | HFTokenizer:
-    """The model directory's tokenizer.json, or the byte tokenizer for the built-in model (None / "")."""
-    return ByteTokenizer() if not path else HFTokenizer.from_dir(path)
+    """The model's tokenizer: the byte tokenizer for the built-in model, a GGUF file's own (after checking
+    the file, so a bad one fails here, before any rank exists), or a directory's tokenizer.json."""
+    kind, file = resolve_model(path)
+    if kind == RANDOM_MODEL:
+        return ByteTokenizer()
+    if kind == "gguf":
+        from workers.gguf_tokenizer import gguf_tokenizer
+
+        check_gguf(file)
+        return gguf_tokenizer(file)
+    return HFTokenizer.from_dir(file)
 
 
 @contextlib.contextmanager
@@ -236,8 +293,9 @@ def kv_cache_config(
     One attention layer config per model layer: `num_kv_heads / tp_size` heads of `head_dim`, `dtype`, the
     layer's sliding window (None = full attention), no sink tokens. Primary bytes: `kv_cache_bytes` when > 0;
     else on CUDA `gpu_memory_fraction` of the device's free memory (call this after the model is loaded, so
-    the weights are not counted as free), on CPU 2 MiB. `free_memory(device) -> bytes` overrides the CUDA
-    query (tests). Whether one `max_seq_len` request fits is the cache's call: check
+    the weights are not counted as free), on CPU room for CPU_DEFAULT_KV_TOKENS tokens. Host bytes:
+    `host_cache_bytes`, or room for DEFAULT_HOST_KV_TOKENS tokens when -1. `free_memory(device) -> bytes`
+    overrides the CUDA query (tests). Whether one `max_seq_len` request fits is the cache's call: check
     `KVCacheManager(cfg).fits(max_seq_len, chunk_tokens)` (kvcache splits the budget over life cycles).
     """
     from kvcache import AttentionLayerConfig, KVCacheManagerConfig
@@ -249,15 +307,18 @@ def kv_cache_config(
         )
     if not 0 < gpu_memory_fraction <= 1:
         raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {gpu_memory_fraction}")
-    if kv_cache_bytes < 0 or host_cache_bytes < 0:
-        raise ValueError("kv_cache_bytes and host_cache_bytes must be >= 0")
+    if kv_cache_bytes < 0 or host_cache_bytes < -1:
+        raise ValueError("kv_cache_bytes must be >= 0 and host_cache_bytes >= -1 (-1 = default)")
     device = torch.device(device)
+    token_bytes = model_cfg.kv_bytes_per_token(tp_size, torch.empty((), dtype=dtype).element_size())
     if kv_cache_bytes == 0:
         if device.type == "cuda":
             free = (free_memory or _cuda_free_bytes)(device)
             kv_cache_bytes = int(free * gpu_memory_fraction)
         else:
-            kv_cache_bytes = CPU_DEFAULT_KV_CACHE_BYTES
+            kv_cache_bytes = CPU_DEFAULT_KV_TOKENS * token_bytes
+    if host_cache_bytes == -1:
+        host_cache_bytes = DEFAULT_HOST_KV_TOKENS * token_bytes
     kv_heads = model_cfg.num_kv_heads // tp_size
     layers = [
         AttentionLayerConfig(

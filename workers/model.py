@@ -143,6 +143,7 @@ class _DecodePlan:
     write_offsets: torch.Tensor  # [S]
     table: torch.Tensor  # [S, max_blocks] slots, padded with slot 0 (masked out)
     valid: torch.Tensor  # [S, max_blocks * B] bool: key inside [key_lo, key_lo + key_len)
+    invalid: tuple[torch.Tensor, torch.Tensor]  # (sequence, key) indices of the other positions
 
 
 class _Batch:
@@ -177,12 +178,14 @@ class _Batch:
         idx = torch.arange(width * B, device=dev)[None, :]
         lo = torch.tensor([p.key_lo for p in plans], device=dev)[:, None]
         hi = lo + torch.tensor([p.key_len for p in plans], device=dev)[:, None]
+        valid = (idx >= lo) & (idx < hi)
         return _DecodePlan(
             rows=torch.tensor([s.offset for s in self.decodes], device=dev),
             write_slots=torch.cat([p.write_slots for p in plans]),
             write_offsets=torch.cat([p.write_offsets for p in plans]),
             table=table,
-            valid=(idx >= lo) & (idx < hi),
+            valid=valid,
+            invalid=torch.nonzero(~valid, as_tuple=True),
         )
 
     def plan(self, s: _SeqView, lc: int, window: int | None) -> _AttnPlan:
@@ -303,10 +306,12 @@ class Attention(nn.Module):
         k_cache[d.write_slots, d.write_offsets] = k[d.rows].to(k_cache.dtype)
         v_cache[d.write_slots, d.write_offsets] = v[d.rows].to(v_cache.dtype)
         S, H, D = d.table.shape[0], self.num_kv_heads, self.head_dim
-        # padding and unwritten slot memory may hold anything, NaN included: zero it, then mask it
-        keep = d.valid[:, :, None, None]
-        keys = k_cache[d.table].reshape(S, -1, H, D).to(q.dtype).masked_fill(~keep, 0.0)
-        vals = v_cache[d.table].reshape(S, -1, H, D).to(q.dtype).masked_fill(~keep, 0.0)
+        # padding and unwritten slot memory may hold anything, NaN included: zero it, then mask it. In place on
+        # the gathered copy, and only where invalid: a full masked_fill pass was a third of a decode step on CPU
+        keys = k_cache[d.table].reshape(S, -1, H, D).to(q.dtype)
+        vals = v_cache[d.table].reshape(S, -1, H, D).to(q.dtype)
+        keys[d.invalid] = 0.0
+        vals[d.invalid] = 0.0
         o = F.scaled_dot_product_attention(
             q[d.rows][:, :, None, :],  # [S, Hq, 1, D]
             keys.transpose(1, 2),  # [S, Hkv, L, D]

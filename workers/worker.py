@@ -335,7 +335,7 @@ class RankWorker:
         gpu = torch.cuda.memory_allocated() if self.device.startswith("cuda") else 0
         with open("/proc/self/statm", "rb") as f:
             rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        pinned = self.spec.host_cache_bytes if torch.cuda.is_available() else 0
+        pinned = self.kv.config.host_cache_bytes if torch.cuda.is_available() else 0
         return [gpu, rss, pinned]
 
     def kv_snapshot(self) -> dict[str, Any]:
