@@ -7,6 +7,7 @@ discards whatever is still pending. Everything here costs O(blocks touched) per 
 
 from typing import TYPE_CHECKING
 
+from .attention import cdiv
 from .pool import DEFAULT_PRIORITY, Page
 from .stats import (
     ALLOC_NEW,
@@ -78,34 +79,35 @@ class KVCache:
         self._history = n
         self._tokens = tokens[:n]
         self._capacity = n
-        self._nb = -(-n // mgr.tokens_per_block)
-        self._stale_done = [lc.stale_end(n, mgr.tokens_per_block) if lc.window_size else 0
-                            for lc in mgr.life_cycles]
-        for lc in mgr._swa:
-            self._stale_done[lc.id] = max(self._stale_done[lc.id], lc.sink_blocks)
+        self._nb = cdiv(n, mgr.tokens_per_block)
+        # per life cycle, the ordinal below which stale blocks are released (sink blocks never are), and the
+        # history at which the block at that ordinal goes stale
+        self._released_to = [max(cycle.attention.stale_range(n)[1], cycle.attention.sink_blocks)
+                             for cycle in mgr.life_cycles]
+        self._stale_at = [cycle.attention.stale_at(o) for cycle, o in zip(mgr.life_cycles, self._released_to,
+                                                                          strict=True)]
 
     def _adopt(self, n: int, partial) -> None:
         """Hold the matched pages (stale sliding-window blocks are matched but get no page)."""
         mgr = self._mgr
         B = mgr.tokens_per_block
-        nb = -(-n // B)
+        nb = cdiv(n, B)
         full = n // B
-        for lc in mgr.life_cycles:
-            lo = lc.stale_end(n, B)
-            sink = min(nb, lc.sink_blocks)
-            pages = self._pages[lc.id]
+        for lc, cycle in enumerate(mgr.life_cycles):
+            start, end = cycle.attention.stale_range(n)
+            pages = self._pages[lc]
             counted = 0
             for o in range(nb):
-                if sink <= o < lo:
+                if start <= o < end:
                     pages.append(None)
                     continue
-                page = (self._nodes[o] if o < full else partial).pages[lc.id]
+                page = (self._nodes[o] if o < full else partial).pages[lc]
                 mgr._hold(page)
                 pages.append(page)
                 counted += o < full
             if self._stats:
-                self._reuse[lc.id][0] += counted
-                self._reuse[lc.id][1] += 1 if n % B else 0
+                self._reuse[lc][0] += counted
+                self._reuse[lc][1] += 1 if n % B else 0
         self._partial_src = n % B != 0
         self._pending = self._reuse_pending = self._stats
         mgr._dirty = True  # held pages are no longer evictable
@@ -241,14 +243,13 @@ class KVCache:
         mgr = self._mgr
         if not self._active or not self._history <= capacity <= mgr.config.max_seq_len:
             self._check_resize(capacity)
-            grow = max(0, -(-capacity // mgr.tokens_per_block) - self._nb)
+            grow = max(0, cdiv(capacity, mgr.tokens_per_block) - self._nb)
             if not self._active and not self._activate(grow):  # a fresh or suspended cache is resumed first
                 return False
-        if -(-capacity // mgr.tokens_per_block) == self._nb:  # the common decode step: no new block
+        old, new = self._nb, cdiv(capacity, mgr.tokens_per_block)
+        if new == old:  # the common decode step: no new block
             self._capacity = capacity
             return True
-        B = mgr.tokens_per_block
-        old, new = self._nb, -(-capacity // B)
         if new > old:
             n = new - old
             pg_lcs = mgr._pg_lcs
@@ -325,18 +326,24 @@ class KVCache:
         if self._root is not None and h // B > len(self._nodes):
             for o in range(len(self._nodes), h // B):
                 self._publish(o, B)
-        for lc in mgr._swa:
-            end = lc.stale_end(h, B)
-            done = self._stale_done[lc.id]
-            if end > done:
-                pages = self._pages[lc.id]
-                for o in range(done, end):
-                    page = pages[o]
-                    if page is not None:
-                        pages[o] = None
-                        mgr._release(page, active=True)
-                self._stale_done[lc.id] = end
-                mgr._dirty = True
+        for cycle in mgr.windowed:
+            if h >= self._stale_at[cycle.id]:
+                self._release_stale(cycle, h)
+
+    def _release_stale(self, cycle, h: int) -> None:
+        """Release the blocks of a sliding-window life cycle that went stale by history h."""
+        mgr = self._mgr
+        lc = cycle.id
+        end = cycle.attention.stale_range(h)[1]
+        pages = self._pages[lc]
+        for o in range(self._released_to[lc], end):
+            page = pages[o]
+            if page is not None:
+                pages[o] = None
+                mgr._release(page, active=True)
+        self._released_to[lc] = end
+        self._stale_at[lc] = cycle.attention.stale_at(end)
+        mgr._dirty = True
 
     def _publish(self, o: int, B: int) -> None:
         parent = self._nodes[o - 1] if o else self._root

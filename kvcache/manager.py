@@ -19,6 +19,7 @@ import logging
 
 import torch
 
+from .attention import cdiv
 from .cache import KVCache
 from .config import KVCacheManagerConfig, derive_layout, split_quota
 from .pool import Page, SlotPool
@@ -49,7 +50,8 @@ class KVCacheManager:
         self._lc_of_layer = {layer.layer_id: lc.id for lc in self.life_cycles for layer in lc.layers}
         self._lc_pg = [lc.pool_group for lc in self.life_cycles]
         self._lc_bytes = [lc.slot_bytes for lc in self.life_cycles]
-        self._swa = [lc for lc in self.life_cycles if lc.window_size is not None]
+        # the life cycles whose blocks go stale as history grows: the only ones commit() looks at
+        self.windowed = [cycle for cycle in self.life_cycles if cycle.attention.can_go_stale]
         self._pg_lcs = [pg.life_cycles for pg in self.pool_groups]
         pri = split_quota(config.gpu_cache_bytes, self.pool_groups)
         sec = split_quota(config.host_cache_bytes, self.pool_groups)
@@ -135,18 +137,11 @@ class KVCacheManager:
 
         With partial reuse, a request that matched part of a block holds that block's source page until its
         first resume() has copied it into a private slot: one more slot per life cycle at that moment."""
-        B = self.tokens_per_block
-        nb = -(-num_tokens // B)
         chunk = num_tokens if chunk_tokens is None else chunk_tokens
         copy = 1 if self.config.enable_block_reuse and self.config.enable_partial_reuse else 0
-        for pg, pool in zip(self.pool_groups, self._primary, strict=True):
-            need = 0
-            for i in pg.life_cycles:
-                lc = self.life_cycles[i]
-                if lc.window_size is None:
-                    need += nb + copy
-                else:
-                    need += min(nb, lc.sink_blocks + (lc.window_size + chunk) // B + 2) + copy
+        for group, pool in zip(self.pool_groups, self._primary, strict=True):
+            need = sum(self.life_cycles[lc].attention.blocks_needed(num_tokens, chunk) + copy
+                       for lc in group.life_cycles)
             if need > pool.num_slots:
                 return False
         return True
@@ -291,36 +286,37 @@ class KVCacheManager:
         if self.config.enable_partial_reuse and n < limit:
             partial, m = node.best_partial(tokens[n:], min(limit - n, B - 1))
             n += m
-        n = self._valid_length(nodes, partial, n)
+        n = self._valid_length(nodes + [partial], n)
         if n % B == 0:
             partial = None
         return n, nodes[: n // B], partial
 
-    def _valid_length(self, nodes: list[Node], partial: Node | None, n: int) -> int:
-        """Shrink n until every life cycle has a page for each block it needs at history n."""
+    def _valid_length(self, holders: list, n: int) -> int:
+        """Shrink n until every life cycle has a page for each block it needs (all but the stale ones) at
+        history n; `holders[o]` is the node of ordinal o. Shrinking moves the stale ranges, so repeat until
+        no life cycle shrinks it further."""
         B = self.tokens_per_block
         changed = True
         while changed and n > 0:
             changed = False
-            for lc in self.life_cycles:
-                i = lc.id
+            for lc, cycle in enumerate(self.life_cycles):
                 while n > 0:
-                    nb = -(-n // B)
-                    lo = lc.stale_end(n, B)
-                    missing = -1
-                    for o in range(nb - 1, lo - 1, -1):
-                        holder = nodes[o] if o < len(nodes) else partial
-                        if holder.pages[i] is None:
-                            missing = o
-                            break
-                    if missing < 0:
-                        for o in range(min(nb, lc.sink_blocks) - 1, -1, -1):
-                            holder = nodes[o] if o < len(nodes) else partial
-                            if holder.pages[i] is None:
-                                missing = o
-                                break
+                    start, end = cycle.attention.stale_range(n)
+                    missing = _last_missing(holders, lc, cdiv(n, B), start, end)
                     if missing < 0:
                         break
                     n = missing * B
                     changed = True
         return n
+
+
+def _last_missing(holders: list, lc: int, nb: int, start: int, end: int) -> int:
+    """The highest ordinal below nb and outside the stale range [start, end) whose holder has no page of
+    life cycle lc, or -1."""
+    for o in range(nb - 1, end - 1, -1):
+        if holders[o].pages[lc] is None:
+            return o
+    for o in range(start - 1, -1, -1):
+        if holders[o].pages[lc] is None:
+            return o
+    return -1
