@@ -63,7 +63,9 @@ class KVCache:
         self._history = n
         self._tokens = tokens[:n]
         self._capacity = n
-        self._nb = cdiv(n, mgr.tokens_per_block)
+        self._nb = cdiv(n, mgr.tokens_per_block)  # blocks held per life cycle
+        # what a resize may grow to without a new block: min(nb * B, max_seq_len)
+        self._room = min(self._nb * mgr.tokens_per_block, cfg.max_seq_len)
         # per life cycle, the ordinal below which stale blocks are released (sink blocks never are), and the
         # history at which the block at that ordinal goes stale
         self._released_to = [max(cycle.attention.stale_range(n)[1], cycle.attention.sink_blocks)
@@ -93,7 +95,7 @@ class KVCache:
                 self._pending.add_reuse(lc, counted, 1 if n % B else 0)
         self._partial_src = n % B != 0
 
-    # ---- state ------------------------------------------------------------------------------------------
+    # ---- state: num_reused_tokens <= history_length <= capacity <= max_seq_len ------------------------------
     @property
     def history_length(self) -> int:
         return self._history
@@ -101,14 +103,6 @@ class KVCache:
     @property
     def capacity(self) -> int:
         return self._capacity
-
-    @property
-    def is_active(self) -> bool:
-        return self._active
-
-    @property
-    def is_closed(self) -> bool:
-        return self._closed
 
     def set_priority(self, priority: int) -> None:
         """Retention priority of this request's blocks once released (lower is evicted first)."""
@@ -128,7 +122,12 @@ class KVCache:
         if self._closed:
             raise KVCacheError(f"request {self.request_id!r}: {op}() after close()")
 
-    # ---- life cycle ---------------------------------------------------------------------------------------
+    # ---- verbs: resume, suspend, resize, commit, commit_pending_stats, close ----------------------------------
+    @property
+    def is_active(self) -> bool:
+        """Resumed and not suspended: its pages are on the primary tier and may not be offloaded."""
+        return self._active
+
     def resume(self) -> bool:
         """Lock every page on the primary tier (onboarding from the host tier) and make the partially reused
         block private. False = no room, and nothing changed."""
@@ -180,7 +179,7 @@ class KVCache:
             on_primary = src.tier == 0
             pages[o] = mgr.copy_partial(src, slots[mgr.pool_group_of[lc]].pop(), self.priority, pending is not None)
             if pending is not None and on_primary:  # from the host tier, the onboard recorded the allocation
-                pending.add((lc,), o, o + 1, SEG_PLAIN)
+                pending.add(o, o + 1, SEG_PLAIN, only=lc)
         self._partial_src = False
 
     def suspend(self) -> None:
@@ -195,16 +194,15 @@ class KVCache:
     def resize(self, capacity: int) -> bool:
         """Grow or shrink to `capacity` tokens (resuming a fresh or suspended cache first).
         False = no room, and nothing changed."""
-        mgr = self._mgr
-        new = cdiv(capacity, mgr.tokens_per_block)
-        if not self._active or not self._history <= capacity <= mgr.config.max_seq_len:
-            self._check_resize(capacity)
-            if not self._active and not self._activate(max(0, new - self._nb)):  # resume a fresh or
-                return False  # suspended cache first, with room for the growth checked together
-        old = self._nb
-        if new == old:  # the common decode step: no new block
+        if self._active and self._capacity <= capacity <= self._room:  # the common decode step: no new block
             self._capacity = capacity
             return True
+        mgr = self._mgr
+        old, new = self._nb, cdiv(capacity, mgr.tokens_per_block)
+        if not self._active or not self._history <= capacity <= mgr.config.max_seq_len:
+            self._check_resize(capacity)
+            if not self._active and not self._activate(max(0, new - old)):  # a fresh or suspended cache is
+                return False  # resumed first, with room for the growth checked together
         if new > old:
             if not self._grow(old, new):
                 return False
@@ -217,6 +215,7 @@ class KVCache:
             if self._pending is not None:
                 self._pending.rollback(new)
         self._nb = new
+        self._room = min(new * mgr.tokens_per_block, mgr.config.max_seq_len)
         self._capacity = capacity
         return True
 
@@ -246,8 +245,7 @@ class KVCache:
                 for _ in range(n):
                     pages.append(Page(lc, 0, slots.pop(), prio, held=True))
         if pending is not None:  # classified by history at the start of the resize (SPEC 3)
-            pending.add(range(len(self._pages)), old, new,
-                        SEG_MISS if self._history < self.expected_prompt_length else SEG_GEN)
+            pending.add(old, new, SEG_MISS if self._history < self.expected_prompt_length else SEG_GEN)
         return True
 
     def commit(self, tokens) -> None:
@@ -306,6 +304,10 @@ class KVCache:
     def commit_pending_stats(self) -> KVCacheStatsDelta:
         """Move this request's pending statistics into the manager's totals and iteration deltas."""
         return self._mgr.commit_stats(self._pending)
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
 
     def close(self) -> None:
         """Discard pending stats, publish the trailing partial block, release every page."""

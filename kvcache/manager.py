@@ -251,13 +251,7 @@ class KVCacheManager:
             self._sample_peaks()
         if not pending.any:  # most decode steps
             return EMPTY_DELTA
-        delta = pending.commit(self._iter)
-        t = self._totals
-        t[0] += delta.alloc_total_blocks
-        t[1] += delta.alloc_new_blocks
-        t[2] += delta.reused_blocks
-        t[3] += delta.missed_blocks
-        return delta
+        return pending.commit(self._iter, self._totals)
 
     # ---- tier moves and their records ----------------------------------------------------------------------
     def _pool(self, page: Page) -> SlotPool:

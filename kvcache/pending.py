@@ -35,10 +35,9 @@ class PendingStats:
         r[1] += partial
         self.any = self.any_reuse = True
 
-    def add(self, lcs, start: int, end: int, kind: int) -> None:
-        """Blocks `[start, end)` of each life cycle in `lcs` were allocated; extends the newest segment."""
-        for lc in lcs:
-            segs = self.segments[lc]
+    def add(self, start: int, end: int, kind: int, only: int | None = None) -> None:
+        """Blocks `[start, end)` of every life cycle (or of life cycle `only`) were allocated."""
+        for segs in self.segments if only is None else (self.segments[only],):
             if segs and segs[-1][1] == start and segs[-1][2] == kind:
                 segs[-1][1] = end
             else:
@@ -54,8 +53,9 @@ class PendingStats:
                 if seg[1] == seg[0]:
                     segs.pop()
 
-    def commit(self, counters: list[list[int]]) -> KVCacheStatsDelta:
-        """Add everything pending to the per-life-cycle counters, empty it, and return the request's delta."""
+    def commit(self, counters: list[list[int]], totals: list[int]) -> KVCacheStatsDelta:
+        """Add everything pending to the per-life-cycle counters and the manager totals `[alloc_total,
+        alloc_new, reused, missed]`, empty it, and return the request's delta."""
         alloc = missed = reused = 0
         for lc, segs in enumerate(self.segments):
             if segs:
@@ -81,6 +81,10 @@ class PendingStats:
                 r[0] = r[1] = 0
             self.any_reuse = False
         self.any = False
+        totals[0] += alloc
+        totals[1] += alloc
+        totals[2] += reused
+        totals[3] += missed
         return KVCacheStatsDelta(alloc, alloc, reused, missed)
 
     def discard(self) -> None:
