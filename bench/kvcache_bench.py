@@ -10,21 +10,32 @@ Throughput is requests per CPU-second of this process (time.process_time), and o
 --repeats each, so that other load on a shared machine moves both sides alike; the stats cost is also counted
 deterministically, as Python opcodes executed (--opcodes), since +-30% noise hides a 5% target.
 
+`--against REV` compares this tree's kvcache with the one at git revision REV in one run, stats on: fresh
+subprocesses alternate old and new (same driver, same workload), best of --repeats each, and count opcodes.
+Run it as `python -m bench.kvcache_bench` from the checkout, or the kvcache on sys.path may be another tree's.
+
 Reference (issue 3): vLLM 0.33's v1 KVCacheManager on this workload and machine, prompt hashing included:
 ~1,100 req/s and a 10-12 us decode step with one full-attention group; ~720 req/s and 15-18 us with the
 sliding-window group added. Prints a table; no assertion on time.
 """
 
 import argparse
+import io
+import json
+import pathlib
 import random
 import statistics
+import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 
 import torch
 
 from kvcache import AttentionLayerConfig, KVCacheManager, KVCacheManagerConfig
 
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 B = 16
 BLOCKS = 8192
 VLLM_REF = {"full": (1100, 11.0), "full+swa": (720, 16.5)}
@@ -114,6 +125,46 @@ def opcode_ratios(n_requests: int, concurrency: int, decode_steps: int) -> None:
               f" (target <= 1.05)")
 
 
+# the child of --against: kvcache from argv[1], this driver from argv[2]; prints run()'s result or opcodes
+_CHILD = """import json, sys
+sys.path[:0] = [sys.argv[1], sys.argv[2]]
+import kvcache, kvcache_bench as kb
+assert kvcache.__file__.startswith(sys.argv[1]), kvcache.__file__
+name, n, conc, steps, mode = sys.argv[3], *map(int, sys.argv[4:7]), sys.argv[7]
+mgr, prompts = kb.make_manager(name == "full+swa", True), kb.workload(n)
+work = lambda: kb.run(mgr, prompts, conc, steps)
+print(json.dumps(work() if mode == "time" else kb.count_opcodes(work)))
+"""
+
+
+def _child(root: str, name: str, n: int, args, mode: str):
+    argv = [sys.executable, "-c", _CHILD, root, str(ROOT / "bench"), name, str(n), str(args.concurrency),
+            str(args.decode_steps), mode]
+    return json.loads(subprocess.run(argv, check=True, capture_output=True, text=True).stdout)
+
+
+def against(rev: str, args) -> None:
+    """Stats-on figures of this tree's kvcache and of the one at `rev`, measured in one run."""
+    with tempfile.TemporaryDirectory() as old:
+        archive = subprocess.run(["git", "archive", rev, "kvcache"], cwd=ROOT, check=True, capture_output=True)
+        tarfile.open(fileobj=io.BytesIO(archive.stdout)).extractall(old)
+        sides = {rev: old, "this tree": str(ROOT)}
+        print(f"{'config':<10} {'kvcache':<10} {'req/s':>8} {'decode us':>10} {'opcodes':>10}")
+        for name in ("full", "full+swa"):
+            best: dict = {}
+            for i in range(args.repeats):
+                for side in list(sides) if i % 2 == 0 else list(sides)[::-1]:
+                    rps, us = _child(sides[side], name, args.requests, args, "time")
+                    if side not in best or rps > best[side][0]:
+                        best[side] = (rps, us)
+            ops = {side: _child(root, name, args.opcodes or 400, args, "opcodes") for side, root in sides.items()}
+            for side in sides:
+                print(f"{name:<10} {side:<10} {best[side][0]:>8.0f} {best[side][1]:>10.2f} {ops[side]:>10}")
+            (o_rps, o_us), (n_rps, n_us) = best.values()
+            print(f"{name:<10} new/old: req/s {n_rps / o_rps:.3f}, decode step {n_us / o_us:.3f}, "
+                  f"opcodes {ops['this tree'] / ops[rev]:.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=2000)
@@ -122,7 +173,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=4, help="best of N runs per configuration")
     ap.add_argument("--opcodes", type=int, default=400, metavar="N",
                     help="also count Python opcodes for N requests, stats on vs off (0 = skip)")
+    ap.add_argument("--against", metavar="REV", help="compare with the kvcache at git revision REV instead")
     args = ap.parse_args()
+    if args.against:
+        against(args.against, args)
+        return
     prompts = workload(args.requests)
     print(f"{'config':<10} {'stats':<5} {'req/s':>8} {'decode us':>10} {'vs vLLM req/s':>14} {'vs vLLM step':>13}")
     for name in ("full", "full+swa"):

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .attention import FullAttention, SlidingWindow, attention_policy
+
 
 @dataclass(frozen=True)
 class AttentionLayerConfig:
@@ -65,7 +67,7 @@ class LifeCycle:
     window_size: int | None  # None = full attention
     num_sink_tokens: int
     window_key: str  # the window size, or max_seq_len for full attention
-    sink_blocks: int
+    attention: FullAttention | SlidingWindow  # which blocks go stale, and how many are held at once
     layers: list[AttentionLayerConfig] = field(default_factory=list)
     slot_bytes: int = 0
     pool_group: int = -1
@@ -76,14 +78,6 @@ class LifeCycle:
     def kind(self) -> str:
         """TensorRT-LLM's life cycle kind: every life cycle here is attention (full or sliding: see windowSize)."""
         return "attention"
-
-    def stale_end(self, history: int, tokens_per_block: int) -> int:
-        """End (exclusive) of the stale range at `history`; the range starts at min(nb, sink_blocks)."""
-        if self.window_size is None:
-            return 0
-        nb = -(-history // tokens_per_block)
-        start = min(nb, self.sink_blocks)
-        return max(start, (history + 1 - self.window_size) // tokens_per_block)
 
 
 @dataclass
@@ -105,25 +99,25 @@ def derive_layout(cfg: KVCacheManagerConfig) -> tuple[list[LifeCycle], list[Pool
             window = None
         sinks = 0 if window is None else layer.num_sink_tokens
         shape = (window, sinks)
-        lc = by_shape.get(shape)
-        if lc is None:
+        cycle = by_shape.get(shape)
+        if cycle is None:
             key = str(cfg.max_seq_len if window is None else window)
-            lc = LifeCycle(len(life_cycles), window, sinks, key, -(-sinks // B))
-            by_shape[shape] = lc
-            life_cycles.append(lc)
-        lc.layer_offsets[layer.layer_id] = lc.slot_bytes
-        lc.layers.append(layer)
-        lc.slot_bytes += 2 * B * layer.block_layer_bytes
+            cycle = LifeCycle(len(life_cycles), window, sinks, key, attention_policy(B, window, sinks))
+            by_shape[shape] = cycle
+            life_cycles.append(cycle)
+        cycle.layer_offsets[layer.layer_id] = cycle.slot_bytes
+        cycle.layers.append(layer)
+        cycle.slot_bytes += 2 * B * layer.block_layer_bytes
     groups: dict[int, PoolGroup] = {}
-    for lc in life_cycles:
-        pg = groups.get(lc.slot_bytes)
-        if pg is None:
-            pg = groups[lc.slot_bytes] = PoolGroup(len(groups), lc.slot_bytes, [], [])
-        pg.life_cycles.append(lc.id)
-        lc.pool_group = pg.id
+    for cycle in life_cycles:
+        group = groups.get(cycle.slot_bytes)
+        if group is None:
+            group = groups[cycle.slot_bytes] = PoolGroup(len(groups), cycle.slot_bytes, [], [])
+        group.life_cycles.append(cycle.id)
+        cycle.pool_group = group.id
     pool_groups = sorted(groups.values(), key=lambda g: g.id)
-    for pg in pool_groups:
-        pg.window_keys = sorted({int(life_cycles[i].window_key) for i in pg.life_cycles})
+    for group in pool_groups:
+        group.window_keys = sorted({int(life_cycles[lc].window_key) for lc in group.life_cycles})
     return life_cycles, pool_groups
 
 
@@ -133,6 +127,6 @@ def split_quota(quota_bytes: int, pool_groups: list[PoolGroup]) -> list[int]:
     Solving n * sum(lcs_in_pg * slot_bytes) <= quota for n keeps the split fair between life cycles; a pool
     group holds n slots per life cycle it serves.
     """
-    per_unit = sum(len(pg.life_cycles) * pg.slot_bytes for pg in pool_groups)
+    per_unit = sum(len(group.life_cycles) * group.slot_bytes for group in pool_groups)
     n = quota_bytes // per_unit if per_unit else 0
-    return [n * len(pg.life_cycles) for pg in pool_groups]
+    return [n * len(group.life_cycles) for group in pool_groups]

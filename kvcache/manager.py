@@ -19,14 +19,19 @@ import logging
 
 import torch
 
+from .attention import cdiv
 from .cache import KVCache
 from .config import KVCacheManagerConfig, derive_layout, split_quota
+from .pending import PendingStats
 from .pool import Page, SlotPool
 from .stats import (
     ALLOC_NEW,
     ALLOC_TOTAL,
+    COPY,
+    COPY_BYTES,
     DROPPED,
     DROPPED_BYTES,
+    EMPTY_DELTA,
     NUM_COUNTERS,
     OFFLOAD,
     OFFLOAD_BYTES,
@@ -34,6 +39,7 @@ from .stats import (
     ONBOARD_BYTES,
     KvCacheIterationReport,
     KvCacheStats,
+    KVCacheStatsDelta,
     PoolGroupSnapshot,
 )
 from .tree import Node
@@ -46,32 +52,32 @@ class KVCacheManager:
         self.config = config
         self.tokens_per_block = config.tokens_per_block
         self.life_cycles, self.pool_groups = derive_layout(config)
-        self._lc_of_layer = {layer.layer_id: lc.id for lc in self.life_cycles for layer in lc.layers}
-        self._lc_pg = [lc.pool_group for lc in self.life_cycles]
-        self._lc_bytes = [lc.slot_bytes for lc in self.life_cycles]
-        self._swa = [lc for lc in self.life_cycles if lc.window_size is not None]
-        self._pg_lcs = [pg.life_cycles for pg in self.pool_groups]
+        self._lc_of_layer = {layer.layer_id: cycle.id for cycle in self.life_cycles for layer in cycle.layers}
+        self.pool_group_of = [cycle.pool_group for cycle in self.life_cycles]  # life cycle id -> pool group id
+        self._lc_bytes = [cycle.slot_bytes for cycle in self.life_cycles]
+        # the life cycles whose blocks go stale as history grows: the only ones commit() looks at
+        self.windowed = [cycle for cycle in self.life_cycles if cycle.attention.can_go_stale]
+        self.stats_enabled = config.enable_stats
         pri = split_quota(config.gpu_cache_bytes, self.pool_groups)
         sec = split_quota(config.host_cache_bytes, self.pool_groups)
         if min(pri) < 1:
-            need = sum(len(pg.life_cycles) * pg.slot_bytes for pg in self.pool_groups)
+            need = sum(len(group.life_cycles) * group.slot_bytes for group in self.pool_groups)
             raise ValueError(
                 f"gpu_cache_bytes={config.gpu_cache_bytes} holds no block; at least {need} bytes are needed"
             )
         pin = torch.cuda.is_available()
-        self._primary = [SlotPool(n, pg.slot_bytes, config.device) for n, pg in zip(pri, self.pool_groups, strict=True)]
+        self._primary = [SlotPool(n, group.slot_bytes, config.device)
+                         for n, group in zip(pri, self.pool_groups, strict=True)]
         self._secondary = [
-            SlotPool(n, pg.slot_bytes, "cpu", pin=pin) if config.host_cache_bytes and n else None
-            for n, pg in zip(sec, self.pool_groups, strict=True)
+            SlotPool(n, group.slot_bytes, "cpu", pin=pin) if config.host_cache_bytes and n else None
+            for n, group in zip(sec, self.pool_groups, strict=True)
         ]
-        self._stats_on = config.enable_stats
-        self._rec = self._stats_on  # whether the operation in progress records statistics
         self._iter = [[0] * NUM_COUNTERS for _ in self.life_cycles]
         self._totals = [0, 0, 0, 0]  # alloc_total, alloc_new, reused, missed
         self._pools = [p for p in self._primary + self._secondary if p is not None]
-        self._lc_meta = [{"id": lc.id, "pool_group": lc.pool_group, "window_key": lc.window_key, "kind": lc.kind}
-                         for lc in self.life_cycles]
-        self._dirty = False
+        self._lc_meta = [{"id": c.id, "pool_group": c.pool_group, "window_key": c.window_key, "kind": c.kind}
+                         for c in self.life_cycles]
+        self._dirty = False  # a gauge may have changed since the peaks were last sampled
         self._roots: dict = {}
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         log.info("kv cache: %d life cycles, %d pool groups, primary slots %s, host slots %s, device %s",
@@ -90,10 +96,10 @@ class KVCacheManager:
         """Primary-tier K and V of one layer, each `[num_slots, tokens_per_block, num_kv_heads, head_dim]`."""
         views = self._views.get(layer_id)
         if views is None:
-            lc = self.life_cycles[self._lc_of_layer[layer_id]]
-            layer = next(la for la in lc.layers if la.layer_id == layer_id)
-            pool = self._primary[lc.pool_group]
-            off = lc.layer_offsets[layer_id]
+            cycle = self.life_cycles[self._lc_of_layer[layer_id]]
+            layer = next(la for la in cycle.layers if la.layer_id == layer_id)
+            pool = self._primary[cycle.pool_group]
+            off = cycle.layer_offsets[layer_id]
             n = self.tokens_per_block * layer.block_layer_bytes
             shape = (pool.num_slots, self.tokens_per_block, layer.num_kv_heads, layer.head_dim)
             k = pool.tensor[:, off:off + n].view(layer.dtype).view(shape)
@@ -112,21 +118,16 @@ class KVCacheManager:
 
     def get_iteration_stats(self) -> KvCacheIterationReport | None:
         """Drain the per-life-cycle counters and snapshot the gauges; peaks are re-seeded from now."""
-        if not self._stats_on:
+        if not self.stats_enabled:
             return None
         self._sample_peaks()
         counters = self._iter
         self._iter = [[0] * NUM_COUNTERS for _ in counters]
         groups = []
-        for pg in self.pool_groups:
-            tiers = []
-            for pools in (self._primary, self._secondary):
-                pool = pools[pg.id]
-                if pool is None:
-                    tiers.append((0,) * 7)
-                    continue
-                tiers.append(pool.drain_gauges())
-            groups.append(PoolGroupSnapshot(pg.id, pg.slot_bytes, list(pg.window_keys), tiers[0], tiers[1]))
+        for group in self.pool_groups:
+            tiers = [(0,) * 7 if pool is None else pool.drain_gauges()
+                     for pool in (self._primary[group.id], self._secondary[group.id])]
+            groups.append(PoolGroupSnapshot(group.id, group.slot_bytes, list(group.window_keys), tiers[0], tiers[1]))
         return KvCacheIterationReport(self._lc_meta, counters, groups)
 
     def fits(self, num_tokens: int, chunk_tokens: int | None = None) -> bool:
@@ -135,24 +136,18 @@ class KVCacheManager:
 
         With partial reuse, a request that matched part of a block holds that block's source page until its
         first resume() has copied it into a private slot: one more slot per life cycle at that moment."""
-        B = self.tokens_per_block
-        nb = -(-num_tokens // B)
         chunk = num_tokens if chunk_tokens is None else chunk_tokens
         copy = 1 if self.config.enable_block_reuse and self.config.enable_partial_reuse else 0
-        for pg, pool in zip(self.pool_groups, self._primary, strict=True):
-            need = 0
-            for i in pg.life_cycles:
-                lc = self.life_cycles[i]
-                if lc.window_size is None:
-                    need += nb + copy
-                else:
-                    need += min(nb, lc.sink_blocks + (lc.window_size + chunk) // B + 2) + copy
+        for group, pool in zip(self.pool_groups, self._primary, strict=True):
+            need = sum(self.life_cycles[lc].attention.blocks_needed(num_tokens, chunk) + copy
+                       for lc in group.life_cycles)
             if need > pool.num_slots:
                 return False
         return True
 
-    # ---- slots and tier moves ---------------------------------------------------------------------------
-    def _can_take(self, pg: int, k: int) -> bool:
+    # ---- verbs of the cache: slots, holds, tier moves (`record`: the request counts in the statistics) ----
+    def can_take(self, pg: int, k: int) -> bool:
+        """Whether `take(pg, k)` would succeed: free, evictable, or offloadable to the host tier."""
         p = self._primary[pg]
         have = len(p.free) + p.num_evictable
         if have >= k:
@@ -160,106 +155,161 @@ class KVCacheManager:
         s = self._secondary[pg]
         return s is not None and have + min(len(p.suspended), len(s.free) + s.num_evictable) >= k
 
-    def _take(self, pg: int, k: int) -> list[int]:
-        """k primary slots of pool group pg; the caller checked `_can_take` first."""
+    def take(self, pg: int, k: int, record: bool) -> list[int]:
+        """k primary slots of pool group pg, offloading or evicting as needed; the caller checked `can_take`."""
         p = self._primary[pg]
         short = k - len(p.free) - p.num_evictable
         while short > 0:  # offload pages that only suspended requests hold
             page = next(iter(p.suspended))
             del p.suspended[page]
-            self._offload(page)
+            self._offload(page, record)
             short -= 1
         while len(p.free) < k:
-            self._evict_primary(p.pop_evictable())
+            self._evict_primary(p.pop_evictable(), record)
+        self._dirty = True
         return [p.free.pop() for _ in range(k)]
 
-    def _host_slot(self, pg: int) -> int:
+    def hold(self, page: Page) -> None:
+        """An inactive request takes a page (a reuse match): it is no longer evictable."""
+        pg = self.pool_group_of[page.lc]
+        if page.ref == 0:
+            (self._primary if page.tier == 0 else self._secondary)[pg].remove_evictable(page)
+            self._dirty = True
+        page.ref += 1
+        if page.tier == 0 and page.active_ref == 0:
+            self._primary[pg].suspended[page] = None
+
+    def release(self, page: Page, active: bool) -> None:
+        """A request lets go of a page: unheld, it becomes evictable if published, else free."""
+        page.ref -= 1
+        if active:
+            page.active_ref -= 1
+        pg = self.pool_group_of[page.lc]
+        if page.tier == 0:
+            pool = self._primary[pg]
+            if page.ref:
+                if not page.active_ref:
+                    pool.suspended[page] = None
+                return
+            pool.suspended.pop(page, None)
+        else:
+            pool = self._secondary[pg]
+            if page.ref:
+                return
+        if page.node is not None:
+            pool.add_evictable(page)
+        else:
+            pool.free.append(page.slot)
+        self._dirty = True
+
+    def lock(self, pages: list) -> None:
+        """A request becomes active: its pages may not be offloaded while any active holder lives."""
+        for page in pages:
+            if page is not None:
+                page.active_ref += 1
+                if page.active_ref == 1 and page.tier == 0:
+                    self._primary[self.pool_group_of[page.lc]].suspended.pop(page, None)
+
+    def unlock(self, pages: list) -> None:
+        """Undo `lock` (a suspend): pages held only by inactive requests may be offloaded."""
+        for page in pages:
+            if page is not None:
+                page.active_ref -= 1
+                if page.active_ref == 0 and page.tier == 0:
+                    self._primary[self.pool_group_of[page.lc]].suspended[page] = None
+
+    def onboard(self, page: Page, slot: int, record: bool) -> None:
+        """Bring a host-tier page back into primary slot `slot` (from `take`); an onboard is an allocation."""
+        self._move(page, 0, slot)
+        if record:
+            self._record_onboard(page.lc)
+
+    def copy_partial(self, src: Page, slot: int, priority: int, record: bool) -> Page:
+        """A private primary copy, in `slot`, of a shared partially reused page, which is released.
+
+        From the primary tier it is an intra-device copy, and the slot is the caller's pending allocation;
+        from the host tier it is an onboard, whose allocation is recorded here with it, never left pending."""
+        lc = src.lc
+        pg = self.pool_group_of[lc]
+        page = Page(lc, 0, slot, priority, held=True)
+        from_pool = self._primary[pg] if src.tier == 0 else self._secondary[pg]
+        self._primary[pg].tensor[slot].copy_(from_pool.tensor[src.slot])
+        if record:
+            if src.tier == 0:
+                self._count(lc, COPY, COPY_BYTES)
+            else:
+                self._record_onboard(lc)
+        self.release(src, active=False)
+        return page
+
+    def commit_stats(self, pending: PendingStats | None) -> KVCacheStatsDelta:
+        """Move a request's pending stats into the totals and iteration deltas (None: it records nothing).
+        Peaks are sampled first, and only when a gauge may have changed since the last sample."""
+        if pending is None:
+            return EMPTY_DELTA
+        if self._dirty:
+            self._sample_peaks()
+        if not pending.any:  # most decode steps
+            return EMPTY_DELTA
+        return pending.commit(self._iter, self._totals)
+
+    # ---- tier moves and their records ----------------------------------------------------------------------
+    def _pool(self, page: Page) -> SlotPool:
+        pools = self._primary if page.tier == 0 else self._secondary
+        return pools[self.pool_group_of[page.lc]]
+
+    def _move(self, page: Page, tier: int, slot: int) -> None:
+        """Copy a page into `slot` of the other tier and free its old slot."""
+        src = self._pool(page)
+        dst = (self._primary if tier == 0 else self._secondary)[self.pool_group_of[page.lc]]
+        dst.tensor[slot].copy_(src.tensor[page.slot])
+        src.free.append(page.slot)
+        page.tier, page.slot = tier, slot
+
+    def _count(self, lc: int, blocks: int, nbytes: int) -> None:
+        """One block of life cycle lc, and its bytes, into the iteration counters `blocks` and `nbytes`."""
+        c = self._iter[lc]
+        c[blocks] += 1
+        c[nbytes] += self._lc_bytes[lc]
+
+    def _record_onboard(self, lc: int) -> None:
+        self._count(lc, ONBOARD, ONBOARD_BYTES)
+        c = self._iter[lc]
+        c[ALLOC_TOTAL] += 1
+        c[ALLOC_NEW] += 1
+        self._totals[0] += 1
+        self._totals[1] += 1
+
+    def _host_slot(self, pg: int, record: bool) -> int:
         s = self._secondary[pg]
         if not s.free:
-            self._drop(s.pop_evictable())
+            self._drop(s.pop_evictable(), record)
         return s.free.pop()
 
-    def _offload(self, page: Page) -> None:
-        pg = self._lc_pg[page.lc]
-        p, s = self._primary[pg], self._secondary[pg]
-        slot = self._host_slot(pg)
-        s.tensor[slot].copy_(p.tensor[page.slot])
-        p.free.append(page.slot)
-        page.tier, page.slot = 1, slot
-        if self._rec:
-            c = self._iter[page.lc]
-            c[OFFLOAD] += 1
-            c[OFFLOAD_BYTES] += self._lc_bytes[page.lc]
+    def _offload(self, page: Page, record: bool) -> None:
+        self._move(page, 1, self._host_slot(self.pool_group_of[page.lc], record))
+        if record:
+            self._count(page.lc, OFFLOAD, OFFLOAD_BYTES)
 
-    def _onboard(self, page: Page, slot: int) -> None:
-        pg = self._lc_pg[page.lc]
-        p, s = self._primary[pg], self._secondary[pg]
-        p.tensor[slot].copy_(s.tensor[page.slot])
-        s.free.append(page.slot)
-        page.tier, page.slot = 0, slot
-        if self._rec:
-            c = self._iter[page.lc]
-            c[ONBOARD] += 1
-            c[ONBOARD_BYTES] += self._lc_bytes[page.lc]
-            c[ALLOC_TOTAL] += 1
-            c[ALLOC_NEW] += 1
-            self._totals[0] += 1
-            self._totals[1] += 1
-
-    def _evict_primary(self, page: Page) -> None:
-        s = self._secondary[self._lc_pg[page.lc]]
+    def _evict_primary(self, page: Page, record: bool) -> None:
+        s = self._secondary[self.pool_group_of[page.lc]]
         if s is not None and (s.free or s.num_evictable):
-            self._offload(page)
+            self._offload(page, record)
             s.add_evictable(page)
         else:
-            self._drop(page)
+            self._drop(page, record)
 
-    def _drop(self, page: Page) -> None:
+    def _drop(self, page: Page, record: bool) -> None:
         """Free the slot of an unheld, already unlisted page and forget it in the tree."""
-        pools = self._primary if page.tier == 0 else self._secondary
-        pools[self._lc_pg[page.lc]].free.append(page.slot)
+        self._pool(page).free.append(page.slot)
         node = page.node
         if node is not None:
             node.pages[page.lc] = None
             page.node = None
             node.prune()
         page.slot = page.tier = -1
-        if self._rec:
-            c = self._iter[page.lc]
-            c[DROPPED] += 1
-            c[DROPPED_BYTES] += self._lc_bytes[page.lc]
-
-    def _release(self, page: Page, active: bool) -> None:
-        """A request lets go of a page."""
-        page.ref -= 1
-        if active:
-            page.active_ref -= 1
-        if page.tier != 0:
-            pool = self._secondary[self._lc_pg[page.lc]]
-            if page.ref == 0:
-                if page.node is not None:
-                    pool.add_evictable(page)
-                else:
-                    pool.free.append(page.slot)
-            return
-        pool = self._primary[self._lc_pg[page.lc]]
-        if page.ref == 0:
-            pool.suspended.pop(page, None)
-            if page.node is not None:
-                pool.add_evictable(page)
-            else:
-                pool.free.append(page.slot)
-        elif page.active_ref == 0:
-            pool.suspended[page] = None
-
-    def _hold(self, page: Page) -> None:
-        """An inactive request takes a page (a reuse match); the caller marks the gauges dirty."""
-        if page.ref == 0:
-            pools = self._primary if page.tier == 0 else self._secondary
-            pools[self._lc_pg[page.lc]].remove_evictable(page)
-        page.ref += 1
-        if page.tier == 0 and page.active_ref == 0:
-            self._primary[self._lc_pg[page.lc]].suspended[page] = None
+        if record:
+            self._count(page.lc, DROPPED, DROPPED_BYTES)
 
     def _sample_peaks(self) -> None:
         for pool in self._pools:
@@ -267,7 +317,8 @@ class KVCacheManager:
         self._dirty = False
 
     # ---- reuse tree -------------------------------------------------------------------------------------
-    def _root(self, salt) -> Node:
+    def reuse_root(self, salt) -> Node:
+        """The tree of one tenant's published blocks."""
         # keyed by type and value: salts 1, True and 1.0 compare equal but are different tenants
         key = (type(salt), salt)
         root = self._roots.get(key)
@@ -275,7 +326,7 @@ class KVCacheManager:
             root = self._roots[key] = Node((), None, len(self.life_cycles))
         return root
 
-    def _match(self, root: Node, tokens: list, limit: int) -> tuple[int, list[Node], Node | None]:
+    def match(self, root: Node, tokens: list, limit: int) -> tuple[int, list[Node], Node | None]:
         """Longest reusable prefix: (matched tokens, full-block nodes, node of the partial block or None)."""
         B = self.tokens_per_block
         nodes: list[Node] = []
@@ -291,36 +342,37 @@ class KVCacheManager:
         if self.config.enable_partial_reuse and n < limit:
             partial, m = node.best_partial(tokens[n:], min(limit - n, B - 1))
             n += m
-        n = self._valid_length(nodes, partial, n)
+        n = self._valid_length(nodes + [partial], n)
         if n % B == 0:
             partial = None
         return n, nodes[: n // B], partial
 
-    def _valid_length(self, nodes: list[Node], partial: Node | None, n: int) -> int:
-        """Shrink n until every life cycle has a page for each block it needs at history n."""
+    def _valid_length(self, holders: list, n: int) -> int:
+        """Shrink n until every life cycle has a page for each block it needs (all but the stale ones) at
+        history n; `holders[o]` is the node of ordinal o. Shrinking moves the stale ranges, so repeat until
+        no life cycle shrinks it further."""
         B = self.tokens_per_block
         changed = True
         while changed and n > 0:
             changed = False
-            for lc in self.life_cycles:
-                i = lc.id
+            for lc, cycle in enumerate(self.life_cycles):
                 while n > 0:
-                    nb = -(-n // B)
-                    lo = lc.stale_end(n, B)
-                    missing = -1
-                    for o in range(nb - 1, lo - 1, -1):
-                        holder = nodes[o] if o < len(nodes) else partial
-                        if holder.pages[i] is None:
-                            missing = o
-                            break
-                    if missing < 0:
-                        for o in range(min(nb, lc.sink_blocks) - 1, -1, -1):
-                            holder = nodes[o] if o < len(nodes) else partial
-                            if holder.pages[i] is None:
-                                missing = o
-                                break
+                    start, end = cycle.attention.stale_range(n)
+                    missing = _last_missing(holders, lc, cdiv(n, B), start, end)
                     if missing < 0:
                         break
                     n = missing * B
                     changed = True
         return n
+
+
+def _last_missing(holders: list, lc: int, nb: int, start: int, end: int) -> int:
+    """The highest ordinal below nb and outside the stale range [start, end) whose holder has no page of
+    life cycle lc, or -1."""
+    for o in range(nb - 1, end - 1, -1):
+        if holders[o].pages[lc] is None:
+            return o
+    for o in range(start - 1, -1, -1):
+        if holders[o].pages[lc] is None:
+            return o
+    return -1

@@ -15,12 +15,12 @@ DEFAULT_PRIORITY = 35  # TensorRT-LLM's default retention priority; lower is evi
 class Page:
     __slots__ = ("lc", "tier", "slot", "ref", "active_ref", "node", "priority")
 
-    def __init__(self, lc: int, tier: int, slot: int, priority: int = DEFAULT_PRIORITY) -> None:
-        self.lc = lc
+    def __init__(self, lc: int, tier: int, slot: int, priority: int = DEFAULT_PRIORITY, held: bool = False) -> None:
+        self.lc = lc  # life cycle id
         self.tier = tier
         self.slot = slot
-        self.ref = 0  # requests holding the page
-        self.active_ref = 0  # of those, the active (resumed) ones
+        self.ref = self.active_ref = int(held)  # held: a fresh page of the active request that allocated it
+        # ref: requests holding the page; active_ref: of those, the active (resumed) ones
         self.node = None  # the reuse-tree node that publishes it, if any
         self.priority = priority
 

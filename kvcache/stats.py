@@ -221,42 +221,42 @@ class KvCacheIterationReport:
     pool_groups: list[PoolGroupSnapshot]
 
     def by_life_cycle(self) -> dict[int, KVCacheIterationStatsDelta]:
-        return {lc["id"]: KVCacheIterationStatsDelta.from_counters(c)
-                for lc, c in zip(self.life_cycles, self.counters, strict=True)}
+        return {meta["id"]: KVCacheIterationStatsDelta.from_counters(c)
+                for meta, c in zip(self.life_cycles, self.counters, strict=True)}
 
     def to_dict(self) -> dict:
         windows: dict[str, list[int]] = {}
-        for lc, counters in zip(self.life_cycles, self.counters, strict=True):
-            acc = windows.setdefault(lc["window_key"], [0] * NUM_COUNTERS)
+        for meta, counters in zip(self.life_cycles, self.counters, strict=True):
+            acc = windows.setdefault(meta["window_key"], [0] * NUM_COUNTERS)
             for i, v in enumerate(counters):
                 acc[i] += v
         buckets = IdKeyDict()
         for key, counters in windows.items():
             bucket = counters_to_dict(counters)
             gauges = [0] * len(GAUGE_KEYS)
-            for pg in self.pool_groups:
-                if pg.window_keys == [int(key)]:
-                    gauges = [a + b for a, b in zip(gauges, pg.primary + pg.secondary, strict=True)]
+            for group in self.pool_groups:
+                if group.window_keys == [int(key)]:
+                    gauges = [a + b for a, b in zip(gauges, group.primary + group.secondary, strict=True)]
             bucket.update(zip(GAUGE_KEYS, gauges, strict=True))
             buckets[key] = bucket
         by_pg = IdKeyDict()
-        for pg in self.pool_groups:
+        for group in self.pool_groups:
             acc = [0] * NUM_COUNTERS
-            for lc, counters in zip(self.life_cycles, self.counters, strict=True):
-                if lc["pool_group"] == pg.id:
+            for meta, counters in zip(self.life_cycles, self.counters, strict=True):
+                if meta["pool_group"] == group.id:
                     for i, v in enumerate(counters):
                         acc[i] += v
-            entry = {"poolGroupId": pg.id, "slotSize": pg.slot_bytes, "windowSizes": list(pg.window_keys)}
-            entry.update(pg.gauges())
+            entry = {"poolGroupId": group.id, "slotSize": group.slot_bytes, "windowSizes": list(group.window_keys)}
+            entry.update(group.gauges())
             entry.update({COUNTER_KEYS[i]: acc[i] for i in POOL_GROUP_COUNTERS})
-            by_pg[str(pg.id)] = entry
+            by_pg[str(group.id)] = entry
         by_lc = IdKeyDict()
-        for lc, c in zip(self.life_cycles, self.counters, strict=True):
-            entry = {"lifeCycleId": lc["id"], "poolGroupId": lc["pool_group"], "windowSize": int(lc["window_key"]),
-                     "kind": lc["kind"]}
+        for meta, c in zip(self.life_cycles, self.counters, strict=True):
+            entry = {"lifeCycleId": meta["id"], "poolGroupId": meta["pool_group"],
+                     "windowSize": int(meta["window_key"]), "kind": meta["kind"]}
             entry.update({COUNTER_KEYS[i]: c[i] for i in LIFE_CYCLE_COUNTERS})
             entry["iterCacheHitRate"] = hit_rate(c[REUSED], c[MISSED])
-            by_lc[str(lc["id"])] = entry
+            by_lc[str(meta["id"])] = entry
         return {
             "kvCacheIterationStats": buckets,
             "kvCacheIterationStatsByPoolGroup": by_pg,

@@ -216,6 +216,18 @@ def test_misuse_raises_and_leaves_the_manager_consistent():
     assert mgr.get_kv_cache_stats().used_num_blocks == 0
 
 
+def test_resize_past_max_seq_len_inside_the_last_block_is_refused():
+    """max_seq_len 10 with 4-token blocks: the third block could hold 12 tokens, the cache may not."""
+    kv = small_manager(max_seq_len=10).create_kv_cache("a", list(range(9)))
+    assert kv.resize(9)
+    with pytest.raises(KVCacheError, match="beyond max_seq_len"):
+        kv.resize(11)
+    assert kv.resize(10) and kv.capacity == 10
+    with pytest.raises(KVCacheError, match="below history_length"):
+        kv.commit(list(range(9)))
+        kv.resize(8)
+
+
 def test_too_small_a_budget_is_a_clear_error():
     with pytest.raises(ValueError, match="holds no block"):
         spec_manager(gpu_cache_bytes=1 << 20)

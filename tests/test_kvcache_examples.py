@@ -37,10 +37,13 @@ def test_example_2_reverted_generation():
     assert nonzero(bucket(mgr)) == {}
 
 
-def test_example_3_chunked_context_with_revert():
+@pytest.mark.parametrize("resume", [True, False], ids=["resumed", "literal"])
+def test_example_3_chunked_context_with_revert(resume):
+    """`literal`: as the spec writes it, with no resume() (the first resize resumes the fresh cache)."""
     mgr = spec_manager()
     kv = mgr.create_kv_cache("r", list(range(8)))
-    assert kv.resume()
+    if resume:
+        assert kv.resume()
     assert kv.resize(4)
     kv.commit(list(range(4)))
     assert kv.commit_pending_stats() == KVCacheStatsDelta(1, 1, 0, 1)
@@ -50,7 +53,7 @@ def test_example_3_chunked_context_with_revert():
     assert kv.commit_pending_stats() == KVCacheStatsDelta()
     assert nonzero(bucket(mgr)) == {}
     stats = mgr.get_kv_cache_stats()
-    assert (stats.alloc_total_blocks, stats.missed_blocks) == (1, 1)
+    assert (stats.alloc_total_blocks, stats.alloc_new_blocks, stats.missed_blocks) == (1, 1, 1)
     assert kv.resize(8)
     kv.commit(list(range(4, 8)))
     assert kv.commit_pending_stats() == KVCacheStatsDelta(1, 1, 0, 1)

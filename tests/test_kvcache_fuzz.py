@@ -57,11 +57,11 @@ def check(mgr: KVCacheManager, caches: list) -> None:
             evictable = [p for lru in pool.evictable.values() for p in lru]
             assert len(evictable) == pool.num_evictable
             assert all(p.ref == 0 and p.node is not None and p.tier == tier for p in evictable)
-            mine = [p.slot for p, _, _ in held.values() if p.tier == tier and mgr._lc_pg[p.lc] == pg]
+            mine = [p.slot for p, _, _ in held.values() if p.tier == tier and mgr.pool_group_of[p.lc] == pg]
             assert sorted(list(pool.free) + [p.slot for p in evictable] + mine) == list(range(pool.num_slots))
             if tier == 0:
                 want = {id(p) for p, _, active in held.values()
-                        if p.tier == 0 and active == 0 and mgr._lc_pg[p.lc] == pg}
+                        if p.tier == 0 and active == 0 and mgr.pool_group_of[p.lc] == pg}
                 assert want == {id(p) for p in pool.suspended}
 
 

@@ -76,6 +76,15 @@ def delta_tuple(d) -> tuple:
     return (d.alloc_total_blocks, d.alloc_new_blocks, d.reused_blocks, d.missed_blocks)
 
 
+def prefilled(mgr, rid, prompt_len: int, done: int, **kw):
+    """A request for prompt `range(prompt_len)` whose first `done` tokens are resized for and committed (no
+    resume(): resize() resumes a fresh cache)."""
+    kv = mgr.create_kv_cache(rid, list(range(prompt_len)), **kw)
+    assert kv.resize(done)
+    kv.commit(list(range(done)))
+    return kv
+
+
 # ---- section 2: API names, signatures, defaults, types -----------------------------------------------------
 def test_config_defaults_and_keywords():
     cfg = KVCacheManagerConfig(tokens_per_block=4, max_seq_len=16,
@@ -112,9 +121,7 @@ def test_kv_cache_stats_is_the_9_key_record():
 
 def test_commit_pending_stats_returns_a_stats_delta_with_the_spec_fields():
     mgr = spec_manager()
-    kv = mgr.create_kv_cache("r", list(range(8)))
-    kv.resize(8)
-    kv.commit(list(range(8)))
+    kv = prefilled(mgr, "r", 8, 8)
     delta = kv.commit_pending_stats()
     assert isinstance(delta, KVCacheStatsDelta)
     assert delta_tuple(delta) == (2, 2, 0, 2)
@@ -126,9 +133,7 @@ def test_request_delta_reads_as_the_tuple_the_spec_prints():
     """Section 5 prints the request delta as a 4-tuple, `(alloc_total 2, alloc_new 2, reused 0, missed 2)`;
     a test may well unpack or compare it as one. TensorRT-LLM's delta also has `.empty`."""
     mgr = spec_manager()
-    kv = mgr.create_kv_cache("r", list(range(8)))
-    kv.resize(8)
-    kv.commit(list(range(8)))
+    kv = prefilled(mgr, "r", 8, 8)
     delta = kv.commit_pending_stats()
     alloc_total, alloc_new, reused, missed = delta
     assert (alloc_total, alloc_new, reused, missed) == (2, 2, 0, 2)
@@ -141,9 +146,7 @@ def test_request_delta_reads_as_the_tuple_the_spec_prints():
 @pytest.mark.parametrize("reuse", [True, False], ids=["example-1", "example-5-reuse-off"])
 def test_example_1_literal(reuse):
     mgr = spec_manager(enable_block_reuse=reuse)
-    kv = mgr.create_kv_cache("r", list(range(8)))
-    assert kv.resize(8)
-    kv.commit(list(range(8)))
+    kv = prefilled(mgr, "r", 8, 8)
     assert delta_tuple(kv.commit_pending_stats()) == (2, 2, 0, 2)
     assert nz(bucket(mgr)) == {"iterAllocTotalBlocks": 2, "iterAllocNewBlocks": 2, "iterMissedBlocks": 2}
     assert kv.resize(9)
@@ -157,9 +160,7 @@ def test_example_1_literal(reuse):
 
 def test_example_2_literal():
     mgr = spec_manager()
-    kv = mgr.create_kv_cache("r", list(range(8)))
-    assert kv.resize(8)
-    kv.commit(list(range(8)))
+    kv = prefilled(mgr, "r", 8, 8)
     kv.commit_pending_stats()
     mgr.get_iteration_stats()
     assert kv.resize(9)
@@ -169,22 +170,7 @@ def test_example_2_literal():
     assert all(b[k] == 0 for k in ITER_FIELDS), nz(b)
 
 
-def test_example_3_literal():
-    mgr = spec_manager()
-    kv = mgr.create_kv_cache("r", list(range(8)))
-    assert kv.resize(4)
-    kv.commit(list(range(4)))
-    assert delta_tuple(kv.commit_pending_stats()) == (1, 1, 0, 1)
-    assert nz(bucket(mgr)) == {"iterAllocTotalBlocks": 1, "iterAllocNewBlocks": 1, "iterMissedBlocks": 1}
-    assert kv.resize(8) and kv.resize(4)
-    assert delta_tuple(kv.commit_pending_stats()) == (0, 0, 0, 0)
-    assert nz(bucket(mgr)) == {}
-    s = mgr.get_kv_cache_stats()
-    assert (s.alloc_total_blocks, s.alloc_new_blocks, s.missed_blocks) == (1, 1, 1)
-    assert kv.resize(8)
-    kv.commit(list(range(4, 8)))
-    assert delta_tuple(kv.commit_pending_stats()) == (1, 1, 0, 1)
-    assert nz(bucket(mgr)) == {"iterAllocTotalBlocks": 1, "iterAllocNewBlocks": 1, "iterMissedBlocks": 1}
+# example 3 without resume() is test_kvcache_examples.py's test_example_3_chunked_context_with_revert[literal]
 
 
 @pytest.mark.parametrize("partial,expected", [(True, 9), (False, 8)])
@@ -202,12 +188,18 @@ def test_example_4_literal(partial, expected):
     assert kv2.capacity >= expected
 
 
-def test_example_4_counts_then_first_resume_copies_the_partial_block():
-    mgr = spec_manager()
+def partially_matched(mgr):
+    """Example 4's second request: a 12-token request ran and closed, then one for its first 10 tokens (2 full
+    blocks and 9 tokens matched); the first request's stats are drained."""
     prompt = list(range(12))
     run_prompt(mgr, "a", prompt, resume=False)
     mgr.get_iteration_stats()
-    kv = mgr.create_kv_cache("b", prompt[:10])
+    return mgr.create_kv_cache("b", prompt[:10])
+
+
+def test_example_4_counts_then_first_resume_copies_the_partial_block():
+    mgr = spec_manager()
+    kv = partially_matched(mgr)
     assert kv.num_reused_tokens == 9
     assert nz(bucket(mgr)) == {}, "reuse is pending until commit_pending_stats()"
     assert kv.resume()
@@ -223,12 +215,9 @@ def test_example_4_counts_then_first_resume_copies_the_partial_block():
 
 def test_partial_copy_made_by_an_implicit_resume_in_resize_counts_the_same():
     mgr = spec_manager()
-    prompt = list(range(12))
-    run_prompt(mgr, "a", prompt, resume=False)
-    mgr.get_iteration_stats()
-    kv = mgr.create_kv_cache("b", prompt[:10])
+    kv = partially_matched(mgr)
     assert kv.resize(10)
-    kv.commit(prompt[9:10])
+    kv.commit([9])
     assert delta_tuple(kv.commit_pending_stats()) == (1, 1, 3, 0)
     b = bucket(mgr)
     assert (b["iterIntraDeviceCopyBlocks"], b["iterIntraDeviceCopyBytes"]) == (1, SLOT)
@@ -266,9 +255,7 @@ def test_cache_salt_never_shares_blocks():
 def test_expected_prompt_length_decides_miss_or_generation():
     mgr = spec_manager()
     # longer than the known prompt (e.g. chunks not yet tokenized): still a miss up to 12 tokens
-    kv = mgr.create_kv_cache("a", list(range(4)), expected_prompt_length=12)
-    assert kv.resize(4)
-    kv.commit(list(range(4)))
+    kv = prefilled(mgr, "a", 4, 4, expected_prompt_length=12)
     assert kv.resize(8)
     kv.commit(list(range(4, 8)))
     assert delta_tuple(kv.commit_pending_stats()) == (2, 2, 0, 2)
@@ -283,9 +270,7 @@ def test_expected_prompt_length_decides_miss_or_generation():
 
 def test_a_resize_is_classified_by_history_at_its_start():
     mgr = spec_manager()
-    kv = mgr.create_kv_cache("a", list(range(8)))
-    assert kv.resize(4)
-    kv.commit(list(range(4)))
+    kv = prefilled(mgr, "a", 8, 4)
     kv.commit_pending_stats()
     mgr.get_iteration_stats()
     assert kv.resize(12)  # history 4 < 8 at the start: both new blocks are misses, even the one past the prompt
@@ -295,9 +280,7 @@ def test_a_resize_is_classified_by_history_at_its_start():
 
 def test_shrink_rolls_back_newest_segment_first():
     mgr = spec_manager()
-    kv = mgr.create_kv_cache("a", list(range(4)))
-    assert kv.resize(4)
-    kv.commit(list(range(4)))  # history == expected: the next allocation is generation
+    kv = prefilled(mgr, "a", 4, 4)  # history == expected: the next allocation is generation
     assert kv.resize(8)
     assert kv.resize(4)  # drops the generation block, keeps the pending miss
     assert delta_tuple(kv.commit_pending_stats()) == (1, 1, 0, 1)
@@ -324,9 +307,7 @@ def test_excluded_request_touches_no_statistic_even_through_reuse_and_copies():
 
 def test_stats_disabled():
     mgr = spec_manager(enable_stats=False)
-    kv = mgr.create_kv_cache("a", list(range(8)))
-    assert kv.resize(8)
-    kv.commit(list(range(8)))
+    kv = prefilled(mgr, "a", 8, 8)
     assert delta_tuple(kv.commit_pending_stats()) == (0, 0, 0, 0)
     assert mgr.get_iteration_stats() is None
     d = mgr.get_kv_cache_stats().to_dict()
@@ -383,9 +364,7 @@ def test_failed_resume_changes_nothing():
 # ---- section 3: events ------------------------------------------------------------------------------------
 def test_two_life_cycles_count_twice():
     mgr = tiny_mgr([(None, 0, 1), (8, 0, 1)], primary_slots=8)  # equal slot size: one pool group
-    kv = mgr.create_kv_cache("a", list(range(8)))
-    assert kv.resize(8)
-    kv.commit(list(range(8)))
+    kv = prefilled(mgr, "a", 8, 8)
     assert delta_tuple(kv.commit_pending_stats()) == (4, 4, 0, 4)
     d = report(mgr)
     assert d["kvCacheIterationStats"]["64"]["iterMissedBlocks"] == 2
@@ -446,9 +425,7 @@ def test_sliding_window_reuse_counts_only_non_stale_blocks_and_sinks():
 def test_offload_onboard_and_host_drop_records():
     mgr = tiny_mgr([(None, 0, 1)], primary_slots=2, host_slots=4)
     slot = 2 * 4 * 16
-    kv = mgr.create_kv_cache("a", list(range(8)))
-    assert kv.resize(8)
-    kv.commit(list(range(8)))
+    kv = prefilled(mgr, "a", 8, 8)
     kv.commit_pending_stats()
     kv.suspend()
     mgr.get_iteration_stats()
@@ -495,9 +472,7 @@ def test_alloc_new_equals_alloc_total_everywhere():
 # ---- section 3: gauges, peaks, hit rate ---------------------------------------------------------------------
 def test_gauges_free_includes_evictable():
     mgr = spec_manager()
-    kv = mgr.create_kv_cache("a", list(range(8)))
-    assert kv.resize(8)
-    kv.commit(list(range(8)))
+    kv = prefilled(mgr, "a", 8, 8)
     b = bucket(mgr)
     assert (b["primaryMaxNumBlocks"], b["primaryFreeNumBlocks"], b["primaryUsedNumBlocks"],
             b["primaryEvictableNumBlocks"]) == (4, 2, 2, 0)
@@ -526,9 +501,7 @@ def test_peak_used_is_sampled_when_a_reuse_match_takes_evictable_blocks():
 
 def test_peaks_sampled_at_commit_and_reseeded_at_drain():
     mgr = spec_manager()
-    kv = mgr.create_kv_cache("a", list(range(12)))
-    assert kv.resize(12)
-    kv.commit(list(range(12)))
+    kv = prefilled(mgr, "a", 12, 12)
     kv.commit_pending_stats()
     kv.close()
     b = bucket(mgr)
@@ -556,9 +529,7 @@ def test_hit_rate_rule():
 # ---- close() ----------------------------------------------------------------------------------------------
 def test_close_discards_pending_and_releases_everything():
     mgr = spec_manager()
-    kv = mgr.create_kv_cache("a", list(range(8)))
-    assert kv.resize(8)
-    kv.commit(list(range(8)))
+    kv = prefilled(mgr, "a", 8, 8)
     kv.close()  # never committed stats
     s = mgr.get_kv_cache_stats()
     assert (s.alloc_total_blocks, s.missed_blocks, s.used_num_blocks, s.free_num_blocks) == (0, 0, 0, 4)
