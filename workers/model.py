@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.config import ModelConfig
+from workers.paged_batch import Batch, DecodePlan, SeqView
 from workers.parallel import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, _param
 
 
@@ -110,129 +111,6 @@ _ACTIVATIONS = {
 }
 
 
-@dataclass
-class _SeqView:
-    """Per-forward bookkeeping of one sequence: where its rows sit in the flat batch, and its positions."""
-
-    offset: int
-    n: int
-    start: int
-    kv: Any
-    positions: torch.Tensor  # [n] on the model's device
-    plans: dict[tuple[int, int | None], _AttnPlan]  # by (life cycle id, window), built on first use
-
-
-@dataclass
-class _AttnPlan:
-    """Where one sequence writes and reads for one (life cycle, window), shared by the layers with both."""
-
-    write_slots: torch.Tensor  # [n] slot id per new token
-    write_offsets: torch.Tensor  # [n] position inside the block
-    read_slots: torch.Tensor  # [nb] slots covering key positions [read_lo_block * B, ...)
-    key_lo: int  # first key position read, relative to read_lo_block * B
-    key_len: int
-    mask: torch.Tensor | None  # [n, key_len] bool, True = attend; None = the one query sees every key
-
-
-@dataclass
-class _DecodePlan:
-    """All one-token sequences of a forward, attended in one padded batch for one (life cycle, window)."""
-
-    rows: torch.Tensor  # [S] rows of the flat batch
-    write_slots: torch.Tensor  # [S]
-    write_offsets: torch.Tensor  # [S]
-    table: torch.Tensor  # [S, max_blocks] slots, padded with slot 0 (masked out)
-    valid: torch.Tensor  # [S, max_blocks * B] bool: key inside [key_lo, key_lo + key_len)
-    invalid: tuple[torch.Tensor, torch.Tensor]  # (sequence, key) indices of the other positions
-
-
-class _Batch:
-    """Everything attention needs about one forward pass; plans are cached per sequence.
-
-    Plans are keyed by (life cycle, window) rather than life cycle alone: kvcache folds a window
-    `>= max_seq_len` into the full-attention life cycle, and the layer's own window still shapes its mask.
-    Sequences with one new token (decode) are attended together, padded to the longest; longer ones
-    (prefill chunks) one by one.
-    """
-
-    def __init__(self, seqs: list[_SeqView], kv_manager: Any, device: torch.device):
-        self.seqs = seqs
-        self.decodes = [s for s in seqs if s.n == 1]
-        self.prefills = [s for s in seqs if s.n > 1]
-        self.mgr = kv_manager
-        self.block = int(kv_manager.tokens_per_block)
-        self.device = device
-        self._decode_plans: dict[tuple[int, int | None], _DecodePlan] = {}
-
-    def decode_plan(self, lc: int, window: int | None) -> _DecodePlan:
-        d = self._decode_plans.get((lc, window))
-        if d is None:
-            d = self._decode_plans[lc, window] = self._build_decode_plan(lc, window)
-        return d
-
-    def _build_decode_plan(self, lc: int, window: int | None) -> _DecodePlan:
-        B, dev = self.block, self.device
-        plans = [self.plan(s, lc, window) for s in self.decodes]
-        width = max(p.read_slots.numel() for p in plans)
-        table = torch.stack([F.pad(p.read_slots, (0, width - p.read_slots.numel()), value=0) for p in plans])
-        idx = torch.arange(width * B, device=dev)[None, :]
-        lo = torch.tensor([p.key_lo for p in plans], device=dev)[:, None]
-        hi = lo + torch.tensor([p.key_len for p in plans], device=dev)[:, None]
-        valid = (idx >= lo) & (idx < hi)
-        return _DecodePlan(
-            rows=torch.tensor([s.offset for s in self.decodes], device=dev),
-            write_slots=torch.cat([p.write_slots for p in plans]),
-            write_offsets=torch.cat([p.write_offsets for p in plans]),
-            table=table,
-            valid=valid,
-            invalid=torch.nonzero(~valid, as_tuple=True),
-        )
-
-    def plan(self, s: _SeqView, lc: int, window: int | None) -> _AttnPlan:
-        p = s.plans.get((lc, window))
-        if p is None:
-            p = s.plans[lc, window] = self._build_plan(s, lc, window)
-        return p
-
-    def _build_plan(self, s: _SeqView, lc: int, window: int | None) -> _AttnPlan:
-        B = self.block
-        ids = list(s.kv.block_ids(lc))
-        end = s.start + s.n  # exclusive
-        last_block = (end - 1) // B
-        if last_block >= len(ids):
-            raise RuntimeError(
-                f"kv cache holds {len(ids)} blocks ({len(ids) * B} tokens) for life cycle {lc}, "
-                f"but positions up to {end - 1} are being written: resize the cache first"
-            )
-        lo = 0 if window is None else max(0, s.start - window + 1)
-        first_block = lo // B
-        needed = ids[first_block : last_block + 1]
-        if any(i < 0 for i in needed):
-            stale = [first_block + k for k, i in enumerate(needed) if i < 0]
-            raise RuntimeError(
-                f"life cycle {lc}: block ordinal(s) {stale} are stale (-1) but inside the attention "
-                f"window of positions [{s.start}, {end}) (window {window})"
-            )
-        dev = self.device
-        write_blocks = s.positions // B
-        table = torch.tensor(ids[: last_block + 1], dtype=torch.long, device=dev)
-        q_pos = s.positions[:, None]
-        k_pos = torch.arange(lo, end, device=dev)[None, :]
-        mask: torch.Tensor | None = None
-        if s.n > 1:  # one query sees exactly keys [lo, start]: no mask needed
-            mask = k_pos <= q_pos
-            if window is not None:
-                mask &= k_pos > q_pos - window
-        return _AttnPlan(
-            write_slots=table[write_blocks],
-            write_offsets=s.positions % B,
-            read_slots=table[first_block:],
-            key_lo=lo - first_block * B,
-            key_len=end - lo,
-            mask=mask,
-        )
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, tp_rank: int, tp_size: int, group: dist.ProcessGroup | None):
         super().__init__()
@@ -250,7 +128,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(D, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(D, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: _Batch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Batch) -> torch.Tensor:
         T = x.shape[0]
         q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
@@ -261,7 +139,7 @@ class Attention(nn.Module):
         out = self._paged_attention(q, k, v, batch)
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
 
-    def _paged_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: _Batch) -> torch.Tensor:
+    def _paged_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch) -> torch.Tensor:
         k_cache, v_cache = batch.mgr.layer_kv(self.layer_id)
         lc = batch.mgr.life_cycle_of_layer(self.layer_id)
         if tuple(k_cache.shape[2:]) != (self.num_kv_heads, self.head_dim):
@@ -299,7 +177,7 @@ class Attention(nn.Module):
         v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        d: _DecodePlan,
+        d: DecodePlan,
         out: torch.Tensor,
     ) -> None:
         """One query per sequence: write its K/V, gather every sequence's blocks padded, one SDPA call."""
@@ -344,7 +222,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp_rank, tp_size, group)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: _Batch) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Batch) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -427,7 +305,7 @@ class Model(nn.Module):
         dev = self.device
         vocab = self.config.vocab_size
         flat: list[int] = []
-        views: list[_SeqView] = []
+        views: list[SeqView] = []
         for i, s in enumerate(seqs):
             n = len(s.tokens)
             if n == 0:
@@ -446,7 +324,7 @@ class Model(nn.Module):
                     f"sequence {i}: cache capacity {s.kv.capacity} < {s.start_pos + n} tokens; resize it before forward"
                 )
             views.append(
-                _SeqView(
+                SeqView(
                     len(flat),
                     n,
                     s.start_pos,
@@ -456,7 +334,7 @@ class Model(nn.Module):
                 )
             )
             flat.extend(s.tokens)
-        batch = _Batch(views, kv_manager, dev)
+        batch = Batch(views, kv_manager, dev)
 
         ids = torch.tensor(flat, dtype=torch.long, device=dev)
         positions = torch.cat([v.positions for v in views])
