@@ -9,7 +9,8 @@ batches; its best batch size is the one compared. A request's latency runs from 
 last token (for transformers: the end of its batch). Both sides get the same number of torch threads. kvfleet
 runs before and after transformers and the two runs are averaged, so a load that drifts over the minutes
 of the run (a shared 2-core machine) does not favour either side, and this process runs at Ray's worker
-niceness (15), so under other load transformers is not favoured over the rank actor either.
+niceness (15) from the transformers runs on, so under other load transformers is not favoured over the rank
+actor either.
 Then TTFT of a chat request whose long system prompt is served from kvfleet's prefix cache vs one whose
 system prompt is new. Prints ratios kvfleet / transformers; asserts nothing.
 """
@@ -135,6 +136,7 @@ async def main() -> None:
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(args.threads)
+    os.setpriority(os.PRIO_PROCESS, 0, RAY_WORKER_NICENESS)  # after ray.init: Ray's own daemons stay at 0
     path = packaged_gguf(MODEL)
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     pad = tok.eos_token_id
@@ -159,6 +161,5 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    os.setpriority(os.PRIO_PROCESS, 0, RAY_WORKER_NICENESS)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     asyncio.run(main())
