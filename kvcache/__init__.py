@@ -1,7 +1,14 @@
-"""One rank's V2 KV cache manager and its statistics (contract: SPEC-kv-stats.md). No Ray, no HTTP.
+"""One rank's V2 KV cache manager and its statistics (docs/stats.md). No Ray, no HTTP.
 
-The statistics records (`kvcache.stats`) import without torch, so the aggregator can share their field
-names without loading torch; the manager and its configs load torch on first use.
+Modules, lowest first: `stats` (counter indices, the spec's field names, the records; no torch), `config`
+(the manager's config and the life cycles / pool groups derived from the layers), `attention` (full and
+sliding-window policies: half-open stale ranges, blocks needed), `pool` (slot pools per tier, LRU of
+evictable pages, gauges and peaks), `tree` (the reuse tree of published blocks, per salt), `pending`
+(a request's pending statistics: segments, rollback, commit), `cache` (one request's `KVCache`), `manager`
+(`KVCacheManager`: tiers, eviction, offload/onboard, the public verbs the caches call, stats drains).
+
+The statistics records import without torch, so the aggregator can share their field names without loading
+torch; the manager and its configs load torch on first use.
 """
 
 from .stats import (

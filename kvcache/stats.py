@@ -43,8 +43,6 @@ COUNTER_KEYS = (
     "iterHostDroppedBlocks",
     "iterHostDroppedBytes",
 )
-# The bucket's 16 iteration fields in the spec's order (hit rate after missed).
-ITERATION_KEYS = COUNTER_KEYS[:6] + ("iterCacheHitRate",) + COUNTER_KEYS[6:]
 # Counters that the pool-group view carries (no reuse fields).
 POOL_GROUP_COUNTERS = (ALLOC_TOTAL, ALLOC_NEW, GEN_ALLOC, ONBOARD, ONBOARD_BYTES, OFFLOAD, OFFLOAD_BYTES, COPY,
                        COPY_BYTES, DROPPED, DROPPED_BYTES)
@@ -219,10 +217,6 @@ class KvCacheIterationReport:
     life_cycles: list[dict]  # static, shared between reports: {"id", "pool_group", "window_key", "kind"}
     counters: list[list[int]]  # per life cycle, indexed by the constants at the top
     pool_groups: list[PoolGroupSnapshot]
-
-    def by_life_cycle(self) -> dict[int, KVCacheIterationStatsDelta]:
-        return {meta["id"]: KVCacheIterationStatsDelta.from_counters(c)
-                for meta, c in zip(self.life_cycles, self.counters, strict=True)}
 
     def to_dict(self) -> dict:
         windows: dict[str, list[int]] = {}
