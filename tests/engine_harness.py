@@ -1,12 +1,12 @@
 """The real Engine over in-process ranks (no Ray): each rank is a RankWorker whose step runs in the loop."""
 
 import asyncio
-import dataclasses
 import types
 
 import torch
 
 from deployment.settings import Settings
+from workers.config import CacheSettings
 from workers.engine import Engine
 from workers.loader import load_model
 from workers.parallel import TPGroup
@@ -32,10 +32,9 @@ class LocalRank:
 
 
 def make_rank(s: Settings, rank: int) -> RankWorker:
-    fields = {f.name for f in dataclasses.fields(RankSpec)}
-    same = fields - {"rank", "device", "dtype", "num_threads"}
-    spec = RankSpec(**{k: v for k, v in s.model_dump().items() if k in same}, rank=rank, device="cpu",
-                    dtype="float32", num_threads=1)
+    spec = RankSpec(engine_id=s.engine_id, rank=rank, dp=s.dp, tp=s.tp, model=s.model, device="cpu",
+                    dtype="float32", seed=s.seed, cache=CacheSettings.of(s),
+                    max_num_batched_tokens=s.max_num_batched_tokens)
     w = RankWorker(spec)
     if "random" not in _MODEL:
         _MODEL["random"] = load_model(None, seed=s.seed, max_seq_len=s.max_seq_len)
@@ -46,7 +45,7 @@ def make_rank(s: Settings, rank: int) -> RankWorker:
 
 
 def longest_request(w: RankWorker) -> int:
-    n = w.spec.max_seq_len
+    n = w.spec.cache.max_seq_len
     while not w.kv.fits(n, w.spec.max_num_batched_tokens):
         n -= 1
     return n

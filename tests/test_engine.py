@@ -15,6 +15,7 @@ import torch
 
 from deployment.settings import Settings
 from kvcache import KVCacheManager
+from workers.config import CacheSettings
 from workers.engine import Engine, EngineError, RequestError
 from workers.loader import kv_cache_config, load_model
 from workers.model import SeqInput
@@ -30,8 +31,8 @@ def reference_greedy(prompt: list[int], n: int, seed: int = 0) -> list[int]:
     """Greedy tokens of the built-in model, one request alone, no reuse: what the engine must reproduce."""
     torch.set_num_threads(1)
     model, cfg = load_model(None, seed=seed)
-    mgr = KVCacheManager(kv_cache_config(cfg, 1, tokens_per_block=16, max_seq_len=512, kv_cache_bytes=8 << 20,
-                                         enable_block_reuse=False))
+    mgr = KVCacheManager(kv_cache_config(cfg, 1, CacheSettings(tokens_per_block=16, max_seq_len=512,
+                                                               kv_cache_bytes=8 << 20, enable_block_reuse=False)))
     kv = mgr.create_kv_cache("ref", prompt)
     assert kv.resume() and kv.resize(len(prompt))
     logits = model([SeqInput(prompt, 0, kv)], mgr)[0]

@@ -8,6 +8,7 @@ from safetensors.torch import load_file, save_file
 from test_model_support import greedy, make_manager, save_hf_model, teacher_forced_logits
 
 from kvcache import KVCacheManager
+from workers.config import CacheSettings
 from workers.loader import default_config, kv_cache_config, load_model
 
 
@@ -89,8 +90,9 @@ def test_bfloat16_model_and_cache_track_fp32():
 
 def test_kv_cache_config_from_the_model():
     cfg = default_config()
-    kc = kv_cache_config(cfg, 2, tokens_per_block=8, max_seq_len=512, kv_cache_bytes=1 << 20,
-                         host_cache_bytes=1 << 21, enable_block_reuse=False, dtype=torch.bfloat16)
+    kc = kv_cache_config(cfg, 2, CacheSettings(tokens_per_block=8, max_seq_len=512, kv_cache_bytes=1 << 20,
+                                               host_cache_bytes=1 << 21, enable_block_reuse=False),
+                         dtype=torch.bfloat16)
     assert kc.tokens_per_block == 8 and kc.max_seq_len == 512 and kc.gpu_cache_bytes == 1 << 20
     assert kc.host_cache_bytes == 1 << 21 and not kc.enable_block_reuse and kc.device == "cpu"
     assert [(la.layer_id, la.num_kv_heads, la.head_dim, la.dtype, la.window_size) for la in kc.layers] == [
@@ -104,18 +106,18 @@ def test_kv_cache_config_from_the_model():
 
 def test_kv_cache_budget_defaults():
     cfg = default_config()
-    assert kv_cache_config(cfg, 1, tokens_per_block=4, max_seq_len=64).gpu_cache_bytes == 2 << 20
-    kc = kv_cache_config(cfg, 1, tokens_per_block=4, max_seq_len=64, device="cuda:0", gpu_memory_fraction=0.5,
-                         free_memory=lambda dev: 1000 if dev == torch.device("cuda:0") else 0)
+    assert kv_cache_config(cfg, 1, CacheSettings(tokens_per_block=4, max_seq_len=64)).gpu_cache_bytes == 2 << 20
+    kc = kv_cache_config(cfg, 1, CacheSettings(tokens_per_block=4, max_seq_len=64, gpu_memory_fraction=0.5),
+                         device="cuda:0", free_memory=lambda dev: 1000 if dev == torch.device("cuda:0") else 0)
     assert kc.gpu_cache_bytes == 500 and kc.device == "cuda:0"
     for bad, message in ((dict(gpu_memory_fraction=0.0), "gpu_memory_fraction"),
                          (dict(kv_cache_bytes=-1), "must be >= 0"),
                          (dict(tokens_per_block=0), "tokens_per_block")):
         kw = dict(tokens_per_block=4, max_seq_len=64) | bad
         with pytest.raises(ValueError, match=message):
-            kv_cache_config(cfg, 1, **kw)
+            kv_cache_config(cfg, 1, CacheSettings(**kw))
     with pytest.raises(ValueError, match="not divisible by tp_size"):
-        kv_cache_config(cfg, 3, tokens_per_block=4, max_seq_len=64)
+        kv_cache_config(cfg, 3, CacheSettings(tokens_per_block=4, max_seq_len=64))
 
 
 @pytest.mark.gpu
@@ -124,7 +126,8 @@ def test_cuda_model_and_cache_match_cpu():
     seq = list(range(60, 140))
     ref = teacher_forced_logits(cpu, make_manager(cfg), seq, [30, 17])
     gpu, _ = load_model(None, device="cuda")
-    kc = kv_cache_config(cfg, 1, tokens_per_block=4, max_seq_len=128, device="cuda", gpu_memory_fraction=0.01)
+    kc = kv_cache_config(cfg, 1, CacheSettings(tokens_per_block=4, max_seq_len=128, gpu_memory_fraction=0.01),
+                         device="cuda")
     assert kc.gpu_cache_bytes > 0 and kc.device == "cuda"
     mgr = KVCacheManager(kc)
     assert mgr.layer_kv(0)[0].is_cuda

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from kvcache import KVCacheManager
-from workers.config import ModelConfig
+from workers.config import CacheSettings, ModelConfig
 from workers.loader import kv_cache_config
 from workers.model import Model, SeqInput
 from workers.sampling import SamplingParams, sample
@@ -73,9 +73,9 @@ def hf_logits(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
 def make_manager(cfg: ModelConfig, *, tp_size: int = 1, tokens_per_block: int = 4, max_seq_len: int = 128,
                  kv_cache_bytes: int = 1 << 20, host_cache_bytes: int = 0, reuse: bool = True,
                  dtype: torch.dtype = torch.float32) -> KVCacheManager:
-    return KVCacheManager(kv_cache_config(
-        cfg, tp_size, tokens_per_block=tokens_per_block, max_seq_len=max_seq_len, kv_cache_bytes=kv_cache_bytes,
-        host_cache_bytes=host_cache_bytes, enable_block_reuse=reuse, enable_partial_reuse=reuse, dtype=dtype))
+    cache = CacheSettings(tokens_per_block=tokens_per_block, max_seq_len=max_seq_len, kv_cache_bytes=kv_cache_bytes,
+                          host_cache_bytes=host_cache_bytes, enable_block_reuse=reuse, enable_partial_reuse=reuse)
+    return KVCacheManager(kv_cache_config(cfg, tp_size, cache, dtype=dtype))
 
 
 def step(model: Model, mgr: KVCacheManager, kv, tokens: list[int], all_logits: bool = False) -> torch.Tensor:

@@ -11,7 +11,7 @@ A window of `w` tokens means a query at position `i` attends to keys `j` with `i
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -228,3 +228,23 @@ def _layer_windows(d: dict[str, Any], num_layers: int) -> tuple[int | None, ...]
         first = int(d["max_window_layers"])
         return tuple(window if i >= first else None for i in range(num_layers))
     return (window,) * num_layers  # Mistral: every layer slides
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    """Every rank's KV cache settings as the user gave them: one object from `Settings` to `kv_cache_config`
+    (the loader turns them into a `KVCacheManagerConfig` for one tp rank of one model)."""
+
+    tokens_per_block: int = 16
+    max_seq_len: int = 1024
+    kv_cache_bytes: int = 0  # 0 = gpu_memory_fraction of free memory on CUDA, a model-sized default on CPU
+    gpu_memory_fraction: float = 0.85
+    host_cache_bytes: int = 0  # -1 = a model-sized default
+    enable_block_reuse: bool = True
+    enable_partial_reuse: bool = True
+    enable_stats: bool = True
+
+    @classmethod
+    def of(cls, settings: Any) -> CacheSettings:
+        """The cache part of anything with these attribute names (deployment.Settings)."""
+        return cls(**{f.name: getattr(settings, f.name) for f in fields(cls)})

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from workers.config import ModelConfig
+from workers.config import CacheSettings, ModelConfig
 from workers.gguf_model import PACKAGED_MODELS, GGUFSource, check_gguf, packaged_gguf, read_gguf
 from workers.model import Model
 from workers.tokenizer import ByteTokenizer, HFTokenizer
@@ -275,16 +275,9 @@ def _load_weights(model: Model, cfg: ModelConfig, source: _Source, tp_rank: int,
 def kv_cache_config(
     model_cfg: ModelConfig,
     tp_size: int,
+    cache: CacheSettings,
     *,
-    tokens_per_block: int,
-    max_seq_len: int,
-    kv_cache_bytes: int = 0,
-    host_cache_bytes: int = 0,
     device: str | torch.device = "cpu",
-    enable_block_reuse: bool = True,
-    enable_partial_reuse: bool = True,
-    enable_stats: bool = True,
-    gpu_memory_fraction: float = 0.85,
     dtype: torch.dtype = torch.float32,
     free_memory: Callable[[torch.device], int] | None = None,
 ) -> Any:
@@ -300,6 +293,9 @@ def kv_cache_config(
     """
     from kvcache import AttentionLayerConfig, KVCacheManagerConfig
 
+    tokens_per_block, max_seq_len, gpu_memory_fraction = cache.tokens_per_block, cache.max_seq_len, \
+        cache.gpu_memory_fraction
+    kv_cache_bytes, host_cache_bytes = cache.kv_cache_bytes, cache.host_cache_bytes
     model_cfg.check_tp(tp_size)
     if tokens_per_block < 1 or max_seq_len < 1:
         raise ValueError(
@@ -337,9 +333,9 @@ def kv_cache_config(
         layers=layers,
         gpu_cache_bytes=kv_cache_bytes,
         host_cache_bytes=host_cache_bytes,
-        enable_block_reuse=enable_block_reuse,
-        enable_partial_reuse=enable_partial_reuse,
-        enable_stats=enable_stats,
+        enable_block_reuse=cache.enable_block_reuse,
+        enable_partial_reuse=cache.enable_partial_reuse,
+        enable_stats=cache.enable_stats,
         device=str(device),
     )
 

@@ -15,6 +15,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from .config import CacheSettings
 from .worker import RankSpec, RankWorker
 
 SETUP_TIMEOUT_S = 600.0
@@ -37,16 +38,14 @@ async def start_group(settings: Any, dp: int, device: str, dtype: str) -> tuple[
     pg = placement_group([bundle] * s.tp, strategy="STRICT_PACK", name=f"kvfleet-{s.engine_id}-dp{dp}")
     await asyncio.wait_for(pg.ready(), SETUP_TIMEOUT_S)
     actor_cls = ray.remote(RankWorker)
+    cache = CacheSettings.of(s)
     workers = []
     for tp_rank in range(s.tp):
         rank = dp * s.tp + tp_rank
         spec = RankSpec(
             engine_id=s.engine_id, rank=rank, dp=s.dp, tp=s.tp, model=s.model, device=device, dtype=dtype,
-            seed=s.seed, tokens_per_block=s.tokens_per_block, max_seq_len=s.max_seq_len,
-            max_num_batched_tokens=s.max_num_batched_tokens, kv_cache_bytes=s.kv_cache_bytes,
-            gpu_memory_fraction=s.gpu_memory_fraction, host_cache_bytes=s.host_cache_bytes,
-            enable_block_reuse=s.enable_block_reuse, enable_partial_reuse=s.enable_partial_reuse,
-            enable_stats=s.enable_stats, num_threads=max(1, int(s.num_cpus_per_rank)))
+            seed=s.seed, cache=cache, max_num_batched_tokens=s.max_num_batched_tokens,
+            num_threads=max(1, int(s.num_cpus_per_rank)))
         strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=tp_rank)
         workers.append(actor_cls.options(
             name=f"kvfleet-rank-{s.engine_id}-{rank}", num_cpus=s.num_cpus_per_rank,

@@ -23,6 +23,7 @@ import torch
 from aggregator.delta import RankDelta, RankLayout, pack
 from kvcache import KVCacheManager
 
+from .config import CacheSettings
 from .loader import kv_cache_config, load_model
 from .model import SeqInput
 from .parallel import TPGroup, free_port, group_min, init_tp_group, node_ip
@@ -45,15 +46,8 @@ class RankSpec:
     device: str  # "cpu" or "cuda"
     dtype: str
     seed: int
-    tokens_per_block: int
-    max_seq_len: int
+    cache: CacheSettings
     max_num_batched_tokens: int
-    kv_cache_bytes: int
-    gpu_memory_fraction: float
-    host_cache_bytes: int
-    enable_block_reuse: bool
-    enable_partial_reuse: bool
-    enable_stats: bool
     num_threads: int = 1
 
     @property
@@ -109,12 +103,7 @@ def build_kv_cache(spec: RankSpec, cfg: Any, device: str, dtype: torch.dtype, tp
     """This rank's KV cache manager, with the primary pool size agreed over the tp group: on CUDA each rank
     sizes its pool from its own free memory, and ranks of one group must hold equal block counts to make
     identical block decisions, so all take the smallest."""
-    s = spec
-    kv_cfg = kv_cache_config(cfg, s.tp, tokens_per_block=s.tokens_per_block, max_seq_len=s.max_seq_len,
-                             kv_cache_bytes=s.kv_cache_bytes, host_cache_bytes=s.host_cache_bytes,
-                             device=device, enable_block_reuse=s.enable_block_reuse,
-                             enable_partial_reuse=s.enable_partial_reuse, enable_stats=s.enable_stats,
-                             gpu_memory_fraction=s.gpu_memory_fraction, dtype=dtype)
+    kv_cfg = kv_cache_config(cfg, spec.tp, spec.cache, device=device, dtype=dtype)
     kv_cfg.gpu_cache_bytes = group_min(kv_cfg.gpu_cache_bytes, tp_group)
     return KVCacheManager(kv_cfg)
 
@@ -166,10 +155,10 @@ class RankWorker:
         tp_group = init_tp_group(s.tp_rank, s.tp, master_addr, master_port, timeout_s=timeout_s, device=self.device)
         dtype = DTYPES[s.dtype]
         self.model, cfg = load_model(s.model or None, tp_rank=s.tp_rank, tp_size=s.tp, device=self.device,
-                                     dtype=dtype, seed=s.seed, max_seq_len=s.max_seq_len)
+                                     dtype=dtype, seed=s.seed, max_seq_len=s.cache.max_seq_len)
         self.kv = build_kv_cache(s, cfg, self.device, dtype, tp_group)
         self.layout = layout_of(self.kv, s, self.incarnation)
-        lo, hi = 1, s.max_seq_len
+        lo, hi = 1, s.cache.max_seq_len
         while lo < hi:  # the longest request one rank can hold alone
             mid = (lo + hi + 1) // 2
             if self.kv.fits(mid, s.max_num_batched_tokens):
@@ -228,7 +217,7 @@ class RankWorker:
                 ran[req.id] = (req.kv.history_length, sampled.get(i))
         step_s = time.perf_counter() - t0
         delta = None
-        if plan.record and self.spec.enable_stats:
+        if plan.record and self.spec.cache.enable_stats:
             gen = {w.request_id for w in plan.work if w.append is not None}
             ctx_tokens = sum(len(tokens) for req, tokens in runs if req.id not in gen)
             n_gen = sum(1 for req, _ in runs if req.id in gen)
@@ -284,7 +273,7 @@ class RankWorker:
         for i, w in enumerate(order):
             self.reqs[w.request_id].prio = i
         pool = sorted((r for r in self.reqs.values() if r.kv is not None), key=lambda r: r.prio)
-        host = self.spec.host_cache_bytes > 0
+        host = self.kv.config.host_cache_bytes > 0
         runs, deferred, recomputed, suspended, parked = [], [], [], [], []
         for w in order:
             req = self.reqs[w.request_id]
