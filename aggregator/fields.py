@@ -1,4 +1,4 @@
-"""The field names of SPEC section 4 (rank reports, cluster records) and which view carries which."""
+"""The statistics' field names (docs/stats.md: rank reports, cluster records) and which view carries which."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ STATIC_FIELDS = {
     POOL_VIEW: ("poolGroupId", "slotSize"),
     LIFECYCLE_VIEW: ("lifeCycleId", "poolGroupId", "windowSize", "kind"),
 }
-# which counters each view carries (SPEC section 4): the pool-group view has no reuse fields, the
+# which counters each view carries (docs/stats.md): the pool-group view has no reuse fields, the
 # life-cycle view only reuse fields and no gauges
 _REUSE = ("iterReusedBlocks", "iterFullReusedBlocks", "iterPartialReusedBlocks", "iterMissedBlocks")
 VIEW_COUNTERS = {

@@ -1,6 +1,6 @@
 """Merging one iteration's rank deltas into the statistics of one cluster record (pure, no Ray).
 
-DESIGN.md 'Merging into a cluster record', on packed rows (aggregator/delta.py):
+The cluster merge rules (docs/stats.md), on packed rows (aggregator/delta.py):
 - Within a dp group the reference rank is its lowest tp rank present (tp rank 0 on a healthy cluster). Its
   block counters and gauges stand for the group: tp ranks make identical block decisions, so adding them
   would multiply by tp. Byte counters (`iter*Bytes`) are summed over every rank (each moves its own shard).

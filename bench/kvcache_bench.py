@@ -14,9 +14,8 @@ deterministically, as Python opcodes executed (--opcodes), since +-30% noise hid
 subprocesses alternate old and new (same driver, same workload), best of --repeats each, and count opcodes.
 Run it as `python -m bench.kvcache_bench` from the checkout, or the kvcache on sys.path may be another tree's.
 
-Reference (issue 3): vLLM 0.33's v1 KVCacheManager on this workload and machine, prompt hashing included:
-~1,100 req/s and a 10-12 us decode step with one full-attention group; ~720 req/s and 15-18 us with the
-sliding-window group added. Prints a table; no assertion on time.
+Ratios are printed against vLLM 0.33's v1 KVCacheManager on this workload (`VLLM_REF`; the figures and how
+they were taken are in bench/README.md). Prints a table; no assertion on time.
 """
 
 import argparse
