@@ -51,3 +51,7 @@ def ray_cluster():
     except Exception:
         pass
     ray.shutdown()
+
+
+# the HTTP route tests' fake app (module-scoped: one uvicorn server per test module that asks for it)
+from tests.http_support import http, server  # noqa: E402, F401

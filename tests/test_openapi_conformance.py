@@ -14,7 +14,7 @@ from schemathesis.checks import (
 from deployment.mirror import StatsMirror
 from deployment.routes import create_api
 from deployment.settings import Settings
-from tests.test_http_api import FakeEngine, FakeStats
+from tests.http_support import FakeEngine, FakeStats
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 

@@ -1,0 +1,185 @@
+"""The fake engine and in-memory stats source that the HTTP route tests serve with real uvicorn (no Ray)."""
+
+import asyncio
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import httpx
+import pytest
+import uvicorn
+
+from deployment.mirror import StatsMirror
+from deployment.routes import create_api
+from deployment.settings import Settings
+from workers.errors import EngineError, RequestError, RequestFailed, check_request
+from workers.tokenizer import ByteTokenizer
+
+EOS = ByteTokenizer.eos_token_id
+
+REPLY = "The cache is warm. "
+
+
+@dataclass
+class TokenEvent:
+    token_id: int
+    finish_reason: str | None
+
+
+class FakeEngine:
+    """Replies REPLY over and over; 'EOS' in the prompt ends with eos after one reply; 'SLOW' is slow; 'DOWN'
+    and 'FAIL' raise the engine's errors after one token (a dead dp group, a request that failed on a rank)."""
+
+    tokenizer = ByteTokenizer()
+    max_seq_len = 128
+    max_model_len = 128
+
+    def __init__(self) -> None:
+        self.started: list[str] = []
+        self.finished: list[str] = []
+        self.aborted: list[str] = []
+        self.validated = 0
+        self.on_finish = lambda: None  # the fixture wires this to FakeStats, like ranks reporting a step
+
+    vocab_size = ByteTokenizer.vocab_size
+
+    async def validate(self, ids: list[int], params) -> None:
+        self.validated += 1
+        check_request(ids, params.max_tokens, self.vocab_size, self.max_model_len, self.max_seq_len)
+        if "REJECT" in self.tokenizer.decode(ids):
+            raise RequestError("the engine refuses this prompt", "engine_rejected")
+
+    async def health(self) -> dict:
+        return {"ranks": 2}
+
+    async def generate(self, request_id: str, ids: list[int], params, cache_salt=None):
+        self.started.append(request_id)
+        prompt = self.tokenizer.decode(ids)
+        reply = list(REPLY.encode())
+        done = False
+        try:
+            for i in range(params.max_tokens):
+                if "SLOW" in prompt:
+                    await asyncio.sleep(0.05)
+                else:
+                    await asyncio.sleep(0)
+                if "EOS" in prompt and i == len(reply):
+                    done = True
+                    yield TokenEvent(EOS, "stop")
+                    return
+                if i == 1 and "DOWN" in prompt:
+                    raise EngineError("dp group 1 is down: rank 1 is gone (ActorDiedError)")
+                if i == 1 and "FAIL" in prompt:
+                    raise RequestFailed("request r failed: RuntimeError: \x1b[31mboom\x1b[0m\nTraceback (most recent")
+                last = i == params.max_tokens - 1
+                done = last
+                yield TokenEvent(reply[i % len(reply)], "length" if last else None)
+        finally:
+            (self.finished if done else self.aborted).append(request_id)
+            self.on_finish()
+
+
+class FakeStats:
+    """The aggregator's query semantics over an in-memory list (records appended from the test thread)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.records: list[dict] = []
+        self.cumulative = {"allocTotalBlocks": 0, "reusedBlocks": 0, "missedBlocks": 0}
+
+    def add(self, alloc: int, reused: int) -> None:
+        with self._lock:
+            c = self.cumulative
+            self.cumulative = {"allocTotalBlocks": c["allocTotalBlocks"] + alloc,
+                               "reusedBlocks": c["reusedBlocks"] + reused,
+                               "missedBlocks": c["missedBlocks"] + alloc - reused}
+            it = len(self.records)
+            self.records.append({"iter": it, "kvCacheStats": dict(self.cumulative),
+                                 "kvCacheIterationStats": {"128": {"iterAllocTotalBlocks": alloc,
+                                                                   "iterReusedBlocks": reused,
+                                                                   "iterOffloadBlocks": 1}}})
+
+    async def query(self, since: int, limit: int | None, ranks: bool) -> list[dict]:
+        with self._lock:
+            out = [r for r in self.records if r["iter"] > since]
+        return out[:limit] if limit is not None else out
+
+    async def wait_records(self, since: int, timeout_s: float) -> list[dict]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            out = await self.query(since, None, False)
+            if out or time.monotonic() >= deadline:
+                return out
+            await asyncio.sleep(0.01)
+
+    async def ranks(self) -> dict:
+        return {"0": {"rank": 0, "healthy": True}, "1": {"rank": 1, "healthy": True}}
+
+    async def kv_cache_stats(self) -> dict:
+        with self._lock:
+            return dict(self.cumulative)
+
+    async def metrics_text(self) -> str:
+        return "# TYPE kvfleet_reused_blocks_total counter\nkvfleet_reused_blocks_total 0\n"
+
+    async def health(self) -> dict:
+        return {"records": len(self.records)}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    url: str
+    engine: FakeEngine
+    stats: FakeStats
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine, stats = FakeEngine(), FakeStats()
+    engine.on_finish = lambda: stats.add(3, 1)
+    settings = Settings(model="random", dp=2, tp=1, served_model_name="fake-model", max_tokens_default=8)
+    api = create_api(engine, StatsMirror(stats, keepalive_s=0.3), settings)
+    port = _free_port()
+    uv = uvicorn.Server(uvicorn.Config(api, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not uv.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    yield Server(f"http://127.0.0.1:{port}", engine, stats)
+    uv.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=10) as c:
+        yield c
+
+
+def _assert_openai_error(resp: httpx.Response, status: int, code: str | None = None) -> dict:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) >= {"message", "type", "code"}
+    assert err["message"]
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+def caught_up(server, http) -> list[dict]:
+    """/stats once the replica's mirror holds every record the fake aggregator emitted (within a long-poll)."""
+    want = server.stats.records[-1]["iter"]
+    deadline = time.monotonic() + 10
+    while (got := http.get("/stats").json()) == [] or got[-1]["iter"] < want:
+        assert time.monotonic() < deadline, "the stats mirror never caught up"
+        time.sleep(0.01)
+    return got

@@ -1,0 +1,133 @@
+"""The statistics routes over the replica's stats mirror of an in-memory aggregator, served by real uvicorn.
+
+Covers stats paging (reading removes nothing), bad input, SSE resume with Last-Event-ID and keepalives, the
+Python client, a real Prometheus scraping /metrics, and the load generator's report.
+"""
+
+import json
+import shutil
+
+import httpx
+import pytest
+from e2e_fixtures import prometheus_query
+
+from deployment.client import StatsClient, StatsError
+from deployment.sse import SSEDecoder
+from tests.http_support import _assert_openai_error, caught_up
+
+BAD_STATS = [
+    ("/stats?since=-2", 400), ("/stats?since=abc", 400), ("/stats?limit=-1", 400),
+    ("/stats?limit=10001", 400), ("/stats?ranks=perhaps", 400), ("/stats/ranks/2", 404),
+    ("/stats/ranks/-1", 404), ("/stats/ranks/x", 400), ("/stats/stream?since=-5", 400), ("/nowhere", 404),
+]
+
+
+@pytest.mark.parametrize("path,status", BAD_STATS)
+def test_bad_stats_input_is_4xx(server, http, path, status):
+    server.stats.add(1, 0)
+    before = caught_up(server, http)
+    _assert_openai_error(http.get(path), status)
+    assert http.get("/stats").json() == before, "a bad request changed the records"
+
+
+def test_bad_last_event_id(http):
+    _assert_openai_error(http.get("/stats/stream", headers={"Last-Event-ID": "seven"}), 400,
+                         "invalid_last_event_id")
+
+
+def test_stats_paging_and_readers_see_the_same(server, http):
+    for i in range(5):
+        server.stats.add(2, i)
+    everything = caught_up(server, http)
+    assert everything == http.get("/stats").json(), "reading removed records"
+    iters = [r["iter"] for r in everything]
+    assert iters == sorted(iters) and len(iters) >= 5
+    page = http.get("/stats", params={"since": iters[1], "limit": 2}).json()
+    assert [r["iter"] for r in page] == iters[2:4]
+    assert http.get("/stats", params={"limit": 0}).json() == []
+    with StatsClient(server.url) as c:
+        assert c.get_all_stats(page=2) == everything
+        assert c.kv_cache_stats() == http.get("/kv_cache_stats").json()
+        assert c.rank(1)["rank"] == 1
+        with pytest.raises(StatsError) as exc:
+            c.rank(7)
+        assert exc.value.status == 404 and exc.value.code == "unknown_rank"
+
+
+def test_metrics_health_ranks(http):
+    r = http.get("/metrics")
+    assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert "kvfleet_reused_blocks_total" in r.text
+    assert http.get("/health").json()["status"] == "ok"
+    assert set(http.get("/stats/ranks").json()) == {"0", "1"}
+
+
+def _read_events(resp: httpx.Response, n: int) -> list[tuple[str, dict]]:
+    dec, out = SSEDecoder(), []
+    for line in resp.iter_lines():
+        ev = dec.feed(line)
+        if ev is not None:
+            assert ev.event == "stats"
+            out.append((ev.id, json.loads(ev.data)))
+            if len(out) == n:
+                break
+    return out
+
+
+def test_sse_resume_with_last_event_id(server):
+    for _ in range(3):
+        server.stats.add(1, 1)
+    all_iters = [r["iter"] for r in server.stats.records]
+    with httpx.Client(base_url=server.url, timeout=10) as c:
+        with c.stream("GET", "/stats/stream") as resp:
+            first = _read_events(resp, 3)
+        assert [int(i) for i, _ in first] == all_iters[:3]
+        assert all(int(i) == rec["iter"] for i, rec in first)
+        with c.stream("GET", "/stats/stream", headers={"Last-Event-ID": first[-1][0]}) as resp:
+            rest = _read_events(resp, len(all_iters) - 3)
+        assert [r["iter"] for _, r in rest] == all_iters[3:], "resume skipped or repeated a record"
+
+
+def test_sse_delivers_new_records_and_keepalives(server):
+    last = server.stats.records[-1]["iter"] if server.stats.records else -1
+    with httpx.Client(base_url=server.url, timeout=10) as c:
+        with c.stream("GET", "/stats/stream", params={"since": last}) as resp:
+            lines = resp.iter_lines()
+            assert next(lines).startswith(": keepalive")  # nothing new yet: a comment after keepalive_s
+            server.stats.add(3, 0)
+            dec = SSEDecoder()
+            for line in lines:
+                ev = dec.feed(line)
+                if ev is not None:
+                    assert json.loads(ev.data)["iter"] == last + 1
+                    break
+
+
+def test_client_iter_stats_follows_stream(server):
+    base = server.stats.records[-1]["iter"] if server.stats.records else -1
+    server.stats.add(1, 0)
+    server.stats.add(1, 0)
+    with StatsClient(server.url) as c:
+        it = c.iter_stats(since=base)
+        got = [next(it)["iter"], next(it)["iter"]]
+        it.close()
+    assert got == [base + 1, base + 2]
+
+
+@pytest.mark.skipif(shutil.which("prometheus") is None, reason="prometheus not installed (make tools)")
+def test_real_prometheus_scrapes_metrics_route(server, tmp_path):
+    result = prometheus_query(server.url.removeprefix("http://"), "kvfleet_reused_blocks_total", tmp_path)
+    assert float(result[0]["value"][1]) == 0.0 and result[0]["metric"]["job"] == "kvfleet"
+
+
+def test_loadgen_reports_the_run(server, capsys):
+    from deployment.loadgen import main
+
+    before = len(server.stats.records)
+    assert main(["--url", server.url, "--requests", "6", "--concurrency", "3", "--prefixes", "2",
+                 "--prefix-words", "5", "--max-tokens", "2", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "6 requests (0 failed), 12 tokens" in out
+    # every request finished one fake step of 3 allocated / 1 reused / 1 offloaded block
+    assert "hit rate over the run: 33.3% (blocks reused 6, missed 12)" in out
+    assert f"blocks offloaded to the host tier: 6 (over {len(server.stats.records) - before} iteration" in out
