@@ -180,3 +180,20 @@ def test_disconnect_aborts_non_streaming_request(server):
         assert time.monotonic() < deadline, "the engine request was not aborted after the client left"
         time.sleep(0.02)
     assert rid not in server.engine.finished
+
+
+def test_disconnect_aborts_streaming_request(server):
+    with httpx.Client(base_url=server.url, timeout=10) as c:
+        with c.stream("POST", "/v1/completions",
+                      json={"prompt": "SLOW", "max_tokens": 100, "stream": True}) as resp:
+            dec = SSEDecoder()
+            for line in resp.iter_lines():
+                ev = dec.feed(line)
+                if ev is not None:
+                    rid = json.loads(ev.data)["id"]
+                    break
+    deadline = time.monotonic() + 10
+    while rid not in server.engine.aborted:
+        assert time.monotonic() < deadline, "the engine request was not aborted after the client left"
+        time.sleep(0.02)
+    assert rid not in server.engine.finished
