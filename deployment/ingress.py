@@ -2,7 +2,7 @@
 
 As Ray Serve LLM splits `OpenAiIngress` from `LLMServer`:
 - `KVFleetEngine`, one replica per engine: owns the `Engine` (its rank actors and the stats aggregator), and
-  answers `generate` (a stream of token events), `validate`, `info` and `health` through its handle. Serve's
+  answers `generate` (a stream of token events), `info` and `health` through its handle. Serve's
   `check_health` replaces the replica when its engine can no longer serve at all.
 - `KVFleetIngress`, `ingress_replicas` replicas: the FastAPI routes. Generation goes to the engine's replica
   through a `DeploymentHandle` (streamed); tokenizing and detokenizing happen here. Statistics are served
@@ -25,7 +25,7 @@ from ray.serve.handle import DeploymentHandle
 from deployment.mirror import StatsMirror
 from deployment.routes import create_api
 from deployment.settings import Settings
-from workers.errors import EngineError, RequestError, RequestFailed
+from workers.errors import EngineError, RequestError, RequestFailed, check_request
 
 logger = logging.getLogger("kvfleet.deployment")
 
@@ -88,9 +88,6 @@ class KVFleetEngine:
         return {"max_model_len": e.max_model_len, "max_seq_len": e.max_seq_len, "vocab_size": e.vocab_size,
                 "aggregator": e.aggregator}
 
-    def validate(self, prompt_token_ids: list[int], params: Any) -> None:
-        self._engine.validate(prompt_token_ids, params)
-
     async def generate(self, request_id: str | None, prompt_token_ids: list[int], params: Any,
                        cache_salt: str | None = None) -> AsyncIterator[Any]:
         async for ev in self._engine.generate(request_id, prompt_token_ids, params, cache_salt):
@@ -124,10 +121,9 @@ class EngineClient:
         self.vocab_size = info["vocab_size"]
 
     async def validate(self, prompt_token_ids: list[int], params: Any) -> None:
-        try:
-            await self._h.validate.remote(prompt_token_ids, params)
-        except Exception as e:
-            raise _engine_error(e) from None
+        """The engine's own rules with the limits it advertised, here: no round trip before the stream (the
+        engine applies them again when the request arrives)."""
+        check_request(prompt_token_ids, params.max_tokens, self.vocab_size, self.max_model_len, self.max_seq_len)
 
     async def generate(self, request_id: str | None, prompt_token_ids: list[int], params: Any,
                        cache_salt: str | None = None) -> AsyncIterator[Any]:

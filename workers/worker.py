@@ -182,7 +182,10 @@ class RankWorker:
             req = self.reqs.pop(rid, None)
             if req is not None and req.kv is not None:
                 req.kv.close()
-        parked = {rid for rid, r in self.reqs.items() if r.kv is not None and not r.kv.is_active}
+        recording = plan.record and self.spec.cache.enable_stats
+        # suspended before this step: those that run in it are resumed (iterResumedRequests); stats only
+        was_suspended = ({rid for rid, r in self.reqs.items() if r.kv is not None and not r.kv.is_active}
+                         if recording else set())
         reused = {}
         cached = 0  # tokens the new requests found in the prefix cache
         for new in plan.new:
@@ -217,12 +220,12 @@ class RankWorker:
                 ran[req.id] = (req.kv.history_length, sampled.get(i))
         step_s = time.perf_counter() - t0
         delta = None
-        if plan.record and self.spec.cache.enable_stats:
+        if recording:
             gen = {w.request_id for w in plan.work if w.append is not None}
             ctx_tokens = sum(len(tokens) for req, tokens in runs if req.id not in gen)
             n_gen = sum(1 for req, _ in runs if req.id in gen)
             sched = [int(step_s * 1e6), len(runs), len(runs) - n_gen, n_gen, len(deferred) + len(suspended),
-                     ctx_tokens, n_gen, len(suspended), sum(1 for req, _ in runs if req.id in parked),
+                     ctx_tokens, n_gen, len(suspended), sum(1 for req, _ in runs if req.id in was_suspended),
                      cached, *self._memory()]
             delta = self._delta(sched)
         return StepResult(plan.iteration, ran, deferred, recomputed, suspended, reused, step_s, failed, delta)
