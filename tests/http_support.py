@@ -13,7 +13,7 @@ import uvicorn
 from deployment.mirror import StatsMirror
 from deployment.routes import create_api
 from deployment.settings import Settings
-from workers.errors import EngineError, RequestError, RequestFailed, check_request
+from workers.errors import EngineError, Overloaded, RequestError, RequestFailed, check_request
 from workers.tokenizer import ByteTokenizer
 
 EOS = ByteTokenizer.eos_token_id
@@ -59,6 +59,10 @@ class FakeEngine:
         reply = list(REPLY.encode())
         done = False
         try:
+            if "BUSY" in prompt:
+                raise Overloaded("300 requests are waiting already (max_waiting_requests); retry later")
+            if "UNAVAILABLE" in prompt:
+                raise EngineError("no dp group is up: group 0: rank 0 is gone", 5.0)
             for i in range(params.max_tokens):
                 if "SLOW" in prompt:
                     await asyncio.sleep(0.05)
@@ -140,11 +144,12 @@ class Server:
     stats: FakeStats
 
 
-@pytest.fixture(scope="module")
-def server():
+def serve_fake(**settings_overrides):
+    """The routes over a FakeEngine and FakeStats under real uvicorn, until the generator is closed."""
     engine, stats = FakeEngine(), FakeStats()
     engine.on_finish = lambda: stats.add(3, 1)
-    settings = Settings(model="random", dp=2, tp=1, served_model_name="fake-model", max_tokens_default=8)
+    settings = Settings(**{**dict(model="random", dp=2, tp=1, served_model_name="fake-model", max_tokens_default=8),
+                           **settings_overrides})
     api = create_api(engine, StatsMirror(stats, keepalive_s=0.3), settings)
     port = _free_port()
     uv = uvicorn.Server(uvicorn.Config(api, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
@@ -157,6 +162,11 @@ def server():
     yield Server(f"http://127.0.0.1:{port}", engine, stats)
     uv.should_exit = True
     thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server():
+    yield from serve_fake()
 
 
 @pytest.fixture
