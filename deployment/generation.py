@@ -132,7 +132,7 @@ class _Generation:
             max_tokens = max(1, min(self.settings.max_tokens_default, self.engine.max_model_len - len(ids)))
         try:
             params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                    top_k=max(req.top_k, 0), seed=req.seed)
+                                    top_k=max(req.top_k, 0), seed=req.seed, ignore_eos=req.ignore_eos)
         except ValueError as exc:
             raise APIError(400, str(exc), code="invalid_sampling_params") from None
         try:
