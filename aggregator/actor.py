@@ -35,6 +35,9 @@ _KV_NAMESPACE = "kvfleet"
 WAIT_LIMIT = 1000  # most records one wait_records call returns
 
 
+NAMESPACE = "kvfleet"  # the aggregator's Ray namespace: a new engine replica (or an operator) finds it by name
+
+
 def aggregator_name(engine_id: str) -> str:
     return f"kvfleet-stats-{engine_id}"
 
@@ -216,5 +219,6 @@ StatsAggregator = ray.remote(max_restarts=-1, max_task_retries=-1)(StatsAggregat
 def get_or_create_aggregator(engine_id: str, world_size: int, tp: int, buffer_size: int = 10_000,
                              **options: Any) -> ray.actor.ActorHandle:
     """The engine's aggregator actor, created on first use (named, so a new engine finds it by engine id)."""
-    opts = {"name": aggregator_name(engine_id), "get_if_exists": True, "num_cpus": 0, **options}
+    opts = {"name": aggregator_name(engine_id), "namespace": NAMESPACE, "get_if_exists": True, "num_cpus": 0,
+            **options}
     return StatsAggregator.options(**opts).remote(engine_id, world_size, tp, buffer_size)

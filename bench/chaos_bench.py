@@ -91,7 +91,7 @@ async def chaos(url: str, engine_id: str, stop: asyncio.Event, every_s: float, d
         while time.monotonic() - t_start + every_s < duration_s:
             await asyncio.sleep(every_s)  # the kill schedule
             if not killed_aggregator and time.monotonic() - t_start > duration_s / 2:
-                ray.kill(ray.get_actor(f"kvfleet-stats-{engine_id}"), no_restart=False)
+                ray.kill(ray.get_actor(f"kvfleet-stats-{engine_id}", namespace="kvfleet"), no_restart=False)
                 killed_aggregator = True
                 print(f"{time.monotonic() - t_start:6.1f} s  aggregator killed", flush=True)
             victims = [a for a in ray.util.list_named_actors(all_namespaces=True)
