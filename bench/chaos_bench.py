@@ -175,6 +175,14 @@ def main() -> None:
     try:
         asyncio.run(main_async(url, args))
     finally:
+        t0 = time.monotonic()
+        serve.delete("chaos")
+        ranks_left = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                      if a["name"].startswith(f"kvfleet-rank-{args.engine_id}-")]
+        pgs_left = [p for p in ray.util.placement_group_table().values()
+                    if (p.get("name") or "").startswith(f"kvfleet-{args.engine_id}-") and p["state"] != "REMOVED"]
+        print(f"graceful shutdown (serve.delete): {time.monotonic() - t0:.1f} s; rank actors left "
+              f"{len(ranks_left)}, placement groups left {len(pgs_left)}")
         serve.shutdown()
         ray.shutdown()
 

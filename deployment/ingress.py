@@ -189,6 +189,10 @@ class KVFleetIngress:
     def __serve_build_asgi_app__(self) -> FastAPI:
         return create_api(self._engine, self._stats, self._settings)
 
+    async def check_health(self) -> None:
+        """Serve's replica health check: a replica whose stats mirror died is replaced."""
+        self._stats.check()
+
     async def __del__(self) -> None:
         stats = getattr(self, "_stats", None)
         if stats is not None:
