@@ -227,7 +227,7 @@ def test_gpu_workers_request_gpus_and_resources():
             assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"], name
 
 
-# KubeRay >= 1.6 injects HTTP probes (GET /api/healthz on the dashboard agent port, which checks the raylet and,
+# KubeRay 1.7 injects HTTP probes (GET /api/healthz on the dashboard agent port, which checks the raylet and,
 # on the head, the GCS) for rayVersion >= 2.53, and only into a Ray container that has none of its own; a
 # RayService worker's readiness probe also checks its Serve proxy (/-/healthz on the serve port).
 KUBERAY_HTTP_PROBES_SINCE = (2, 53)
