@@ -44,7 +44,8 @@ def page(browser):
 def dashboard_state(page) -> dict:
     """What the page's script holds (window.kvDashboard), without the records themselves."""
     return page.evaluate("""() => { const s = window.kvDashboard;
-        return {received: s.received, lastId: s.lastId, connects: s.connects, resets: s.resets, live: s.live,
+        return {received: s.received, firstIter: s.firstIter, lastId: s.lastId, duplicates: s.duplicates,
+                connects: s.connects, resets: s.resets, live: s.live,
                 records: s.records.length, redraws: s.redraws, incomplete: s.incomplete, views: [...s.views]}; }""")
 
 

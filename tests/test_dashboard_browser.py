@@ -44,11 +44,17 @@ class RecordStats(FakeStats):
                 self.records.append(self._record(len(self.records), missing_every))
             self.cumulative = dict(self.cum)
 
+    async def ranks(self) -> dict:
+        last = self.records[-1] if self.records else {"missingRanks": []}
+        return {str(r): {"rank": r, "dp_rank": r, "tp_rank": 0, "healthy": r not in last["missingRanks"],
+                         "record": {"kvCacheStats": {"maxNumBlocks": 32, "usedNumBlocks": 8 * (r + 1)}}}
+                for r in range(2)}
+
     def _record(self, it: int, missing_every: int) -> dict:
         rng, windows, groups, lcs = self.rng, {}, {}, {}
         for lc, (w, size) in enumerate([("256", 2048), ("64", 1024)]):
             c = {"iterFullReusedBlocks": rng.randint(0, 4), "iterPartialReusedBlocks": rng.randint(0, 1),
-                 "iterMissedBlocks": rng.randint(0, 3)}
+                 "iterMissedBlocks": rng.randint(1, 3)}  # >= 1: every record draws reuse
             c["iterReusedBlocks"] = c["iterFullReusedBlocks"] + c["iterPartialReusedBlocks"]
             used, evictable = rng.randint(0, 16), rng.randint(0, 8)
             gauges = {"primaryMaxNumBlocks": 32, "primaryUsedNumBlocks": used, "primaryEvictableNumBlocks": evictable,
@@ -119,6 +125,7 @@ def test_ten_thousand_records_in_a_bounded_window(app, page, tmp_path):  # noqa:
     groups = page.evaluate("() => document.getElementById('chart-routing-groups').data[0].y")
     assert groups == [MAX_RECORDS, MAX_RECORDS]  # one request per group per record in the window
     assert page.locator('.rank.down[data-rank="1"]').count() == 1 and page.locator(".rank").count() == 2
+    page.wait_for_function("() => document.querySelector('.rank[data-rank=\"0\"]').innerText.includes('25% used')")
     flags = page.locator("#flags").inner_text()
     assert "tp divergence (1): dp 0 tp 1 window iterMissedBlocks: expected 1, got 2" in flags
     assert "iter 9999: incomplete: ranks 1 missing" in flags

@@ -13,8 +13,9 @@
 
   // the page's state; the browser tests read it
   const state = {
-    records: [], lastId: null, lastTimestamp: null, received: 0, connects: 0, resets: 0, live: false,
-    dirty: false, redraws: 0, views: new Set(), incomplete: 0, divergent: 0, epoch: null, ranks: null,
+    records: [], firstIter: null, lastId: null, lastTimestamp: null, received: 0, duplicates: 0, connects: 0,
+    resets: 0, live: false,
+    dirty: false, redraws: 0, redrawMs: 0, views: new Set(), incomplete: 0, divergent: 0, epoch: null, ranks: null,
   };
   window.kvDashboard = state;
   const $ = (id) => document.getElementById(id);
@@ -64,7 +65,7 @@
     state.resets += 1;
     addFlag(state.lastId, 'the server has another history (a fresh app): starting again from its oldest record');
     state.records = [];
-    state.lastId = state.lastTimestamp = state.epoch = null;
+    state.firstIter = state.lastId = state.lastTimestamp = state.epoch = null;
   }
 
   async function follow() {
@@ -122,6 +123,8 @@
   }
 
   function ingest(rec, id) {
+    if (state.lastId !== null && rec.iter <= state.lastId) { state.duplicates += 1; return; }
+    if (state.firstIter === null) state.firstIter = rec.iter;
     state.lastId = id === null ? rec.iter : Number(id);
     state.lastTimestamp = rec.timestamp;
     state.received += 1;
@@ -211,11 +214,18 @@
     const picked = recs.map((r) => pick(r, view));
     const reuse = (f) => picked.map((p) => sum(p.reuse, f));
     const gauge = (f) => picked.map((p) => sum(p.pools, f));
+    // reuse is drawn for the iterations that matched or allocated prompt blocks (decode-only steps have none)
     const reused = reuse('iterReusedBlocks');
     const missed = reuse('iterMissedBlocks');
-    const rate = reused.map((r, i) => (r + missed[i] ? 100 * hitRate(r, missed[i]) : null));
-    Plotly.react('chart-hit', [line('hit rate %', x, rate, {connectgaps: false})],
-                 layout({yaxis: {range: [0, 100], ticksuffix: '%'}, showlegend: false}), PLOT_CONFIG);
+    const active = x.map((_, i) => i).filter((i) => reused[i] + missed[i] > 0);
+    const at = (ys) => active.map((i) => ys[i]);
+    const xa = at(x);
+    Plotly.react('chart-hit', [line('hit rate %', xa, active.map((i) => 100 * hitRate(reused[i], missed[i])),
+      {})],
+    layout({yaxis: {range: [0, 100], ticksuffix: '%'}, showlegend: false}), PLOT_CONFIG);
+    Plotly.react('chart-reuse', [stacked('full reused', xa, at(reuse('iterFullReusedBlocks'))),
+      stacked('partial reused', xa, at(reuse('iterPartialReusedBlocks'))), stacked('missed', xa, at(missed))],
+    layout({yaxis: {title: {text: 'blocks'}}}), PLOT_CONFIG);
 
     const used = gauge('primaryUsedNumBlocks');
     const evictable = gauge('primaryEvictableNumBlocks');
@@ -223,10 +233,6 @@
     Plotly.react('chart-blocks', [stacked('primary used', x, used), stacked('primary evictable', x, evictable),
       stacked('primary free', x, free), line('secondary used', x, gauge('secondaryUsedNumBlocks'),
         {line: {dash: 'dot'}})], layout({yaxis: {title: {text: 'blocks'}}}), PLOT_CONFIG);
-
-    Plotly.react('chart-reuse', [stacked('full reused', x, reuse('iterFullReusedBlocks')),
-      stacked('partial reused', x, reuse('iterPartialReusedBlocks')), stacked('missed', x, missed)],
-    layout({yaxis: {title: {text: 'blocks'}}}), PLOT_CONFIG);
 
     drawBytes(recs, picked);
   }
@@ -289,13 +295,15 @@
       const info = (state.ranks || {})[String(r)] || {};
       const s = (info.record || {}).kvCacheStats || {};
       const pct = s.maxNumBlocks ? (100 * s.usedNumBlocks) / s.maxNumBlocks : 0;
-      const down = missing.has(r) || info.healthy === false;
+      const reported = Boolean(info.record);  // a rank that never reported yet is not down
+      const down = missing.has(r) || (reported && info.healthy === false);
       const cell = document.createElement('div');
       cell.className = down ? 'rank down' : 'rank';
-      cell.dataset.rank = r;
+      Object.assign(cell.dataset, {rank: r, reported});
       cell.style.background = `linear-gradient(to top, #9ecae1 ${pct}%, #fff ${pct}%)`;
       const where = info.dp_rank === undefined ? '' : ` dp${info.dp_rank}/tp${info.tp_rank}`;
-      cell.innerHTML = `<b>rank ${r}</b><span>${where}</span><span>${down ? 'down' : `${pct.toFixed(0)}% used`}</span>`;
+      const what = down ? 'down' : reported ? `${pct.toFixed(0)}% used` : 'no report yet';
+      cell.innerHTML = `<b>rank ${r}</b><span>${where}</span><span>${what}</span>`;
       cells.push(cell);
     }
     $('ranks').replaceChildren(...cells);
@@ -306,6 +314,7 @@
     if (!state.dirty) return;
     state.dirty = false;
     state.redraws += 1;
+    const t0 = performance.now();
     if (state.records.length > MAX_RECORDS) state.records.splice(0, state.records.length - MAX_RECORDS);
     const recs = state.records;
     drawRanks();
@@ -314,6 +323,7 @@
     drawCharts(recs, $('view').value);
     drawRequests(recs);
     drawRouting(recs);
+    state.redrawMs = performance.now() - t0;
   }
 
   async function pollRanks() {
