@@ -15,6 +15,8 @@ from deployment.routes import create_api
 from deployment.settings import Settings
 from tests.http_support import FakeEngine, FakeStats, _free_port, run_uvicorn
 
+pytestmark = pytest.mark.slow  # a real browser
+
 MAX_RECORDS = 2000  # dashboard.js's window
 WAIT_MS = 30_000
 COUNTERS = ("iterReusedBlocks", "iterFullReusedBlocks", "iterPartialReusedBlocks", "iterMissedBlocks")
@@ -153,6 +155,14 @@ def test_views_pick_one_window_or_one_pool_group(app, page):  # noqa: F811
     page.wait_for_function("() => !window.kvDashboard.dirty")
     used = page.evaluate("() => document.getElementById('chart-blocks').data[0].y.at(-1)")
     assert used == sum(g["primaryUsedNumBlocks"] for g in last["kvCacheIterationStatsByPoolGroup"].values())
+    per_second: dict[str, list[int]] = {}  # 50 records at 20 a second: 3 seconds, summed over pool groups
+    for r in app.stats.records:
+        groups = r["kvCacheIterationStatsByPoolGroup"].values()
+        per_second.setdefault(r["timestamp"][:19], [0, 0, 0])
+        per_second[r["timestamp"][:19]] = [a + sum(g[f] for g in groups)
+                                           for a, f in zip(per_second[r["timestamp"][:19]], BYTES, strict=True)]
+    drawn = page.evaluate("() => document.getElementById('chart-bytes').data.map(t => t.y)")
+    assert drawn == [list(col) for col in zip(*per_second.values(), strict=True)]
 
 
 def test_resumes_after_last_event_id_when_the_server_comes_back(app, page):  # noqa: F811

@@ -237,14 +237,21 @@
     drawBytes(recs, picked);
   }
 
-  // bytes per wall-clock second: each record's bytes added to the second its step finished in
+  // bytes per wall-clock second: each record's bytes go to the second its step finished in; seconds without a
+  // record moved nothing (0), up to MAX_IDLE_S of them, past which the line breaks
+  const MAX_IDLE_S = 600;
   function drawBytes(recs, picked) {
     const fields = ['iterOnboardBytes', 'iterOffloadBytes', 'iterHostDroppedBytes'];
     const t = [];
     const ys = fields.map(() => []);
+    const push = (sec, v) => { t.push(new Date(sec * 1000)); ys.forEach((y) => y.push(v)); };
     recs.forEach((r, i) => {
-      const second = r.timestamp ? r.timestamp.slice(0, 19) : String(r.iter);
-      if (t[t.length - 1] !== second) { t.push(second); ys.forEach((y) => y.push(0)); }
+      const sec = Math.floor(Date.parse(r.timestamp) / 1000);
+      if (Number.isNaN(sec)) return;
+      const prev = t.length ? t[t.length - 1].getTime() / 1000 : sec;
+      if (!t.length) push(sec, 0);
+      else if (sec - prev > MAX_IDLE_S) { push(prev + 1, null); push(sec, 0); }
+      else for (let s = prev + 1; s <= sec; s++) push(s, 0);
       fields.forEach((f, k) => { ys[k][ys[k].length - 1] += sum(picked[i].pools, f); });
     });
     const names = ['onboard (host → primary)', 'offload (primary → host)', 'dropped from the last tier'];
@@ -311,7 +318,7 @@
   }
 
   function redraw() {
-    if (!state.dirty) return;
+    if (!state.dirty || document.hidden) return;  // a background tab draws when it is shown again
     state.dirty = false;
     state.redraws += 1;
     const t0 = performance.now();
@@ -339,6 +346,7 @@
   }
 
   setInterval(redraw, REDRAW_MS);
+  document.addEventListener('visibilitychange', redraw);
   follow();
   pollRanks();
 })();
