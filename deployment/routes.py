@@ -1,4 +1,4 @@
-"""The HTTP API: one FastAPI app from the OpenAI router, the statistics router and /health.
+"""The HTTP API: one FastAPI app from the OpenAI router, the statistics router, the dashboard and /health.
 
 `create_api(engine, stats, settings)` knows nothing about Ray Serve: the routes are tested with a fake engine
 (implementing `EngineProtocol`) under plain uvicorn; `ingress.py` plugs in the engine's handle and the stats
@@ -17,6 +17,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 
 from deployment.auth import KeyCheck, load_keys
+from deployment.dashboard_routes import dashboard_router
 from deployment.errors import ERROR_SCHEMA, ErrorResponse, clean_message, error_body, install_error_handlers
 from deployment.generation import EngineProtocol, openai_router
 from deployment.mirror import StatsMirror
@@ -39,6 +40,7 @@ def create_api(engine: EngineProtocol, stats: StatsMirror, settings: Settings) -
     api.include_router(openai_router(engine, settings), dependencies=keyed)
     api.include_router(stats_router(stats, settings.dp * settings.tp), dependencies=keyed)
     api.include_router(metrics_router(stats), dependencies=[Depends(KeyCheck(scrape_keys))] if scrape_keys else [])
+    api.include_router(dashboard_router())  # the page and its scripts carry no data: open; its requests are keyed
 
     @api.get("/health", responses={503: {"description": "no dp group can serve, or the aggregator is down"}})
     async def health() -> Response:

@@ -144,6 +144,25 @@ class Server:
     stats: FakeStats
 
 
+def run_uvicorn(api, port: int):
+    """Serve `api` on 127.0.0.1:port in a thread; returns a function that stops it."""
+    # an open SSE stream never finishes by itself: shutting down cuts it after 2 s
+    uv = uvicorn.Server(uvicorn.Config(api, host="127.0.0.1", port=port, log_level="warning", lifespan="off",
+                                       timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not uv.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+
+    def stop() -> None:
+        uv.should_exit = True
+        thread.join(timeout=10)
+        assert not thread.is_alive(), "uvicorn did not stop"
+    return stop
+
+
 def serve_fake(**settings_overrides):
     """The routes over a FakeEngine and FakeStats under real uvicorn, until the generator is closed."""
     engine, stats = FakeEngine(), FakeStats()
@@ -152,16 +171,9 @@ def serve_fake(**settings_overrides):
                            **settings_overrides})
     api = create_api(engine, StatsMirror(stats, keepalive_s=0.3), settings)
     port = _free_port()
-    uv = uvicorn.Server(uvicorn.Config(api, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not uv.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
+    stop = run_uvicorn(api, port)
     yield Server(f"http://127.0.0.1:{port}", engine, stats)
-    uv.should_exit = True
-    thread.join(timeout=10)
+    stop()
 
 
 @pytest.fixture(scope="module")
