@@ -9,7 +9,6 @@ import random
 
 import pytest
 from browser_support import browser, chart_points, dashboard_state, page  # noqa: F401  (fixtures)
-from fastapi.responses import JSONResponse
 
 from deployment.mirror import StatsMirror
 from deployment.routes import create_api
@@ -196,60 +195,16 @@ def test_starts_again_when_a_fresh_app_has_another_history(app, page):  # noqa: 
     assert "another history" in page.locator("#flags").inner_text()
 
 
-class KeyedApp(FakeApp):
-    """The app behind a stand-in for API keys (issue 15's rule: data routes need the bearer key, the page and
-    its scripts do not), so the page's 401 path is tested before the real keys land."""
-
-    def start(self, stats: RecordStats) -> None:
-        self.stats, self.asked = stats, []
-        api = create_api(FakeEngine(), StatsMirror(stats, keepalive_s=0.5), self.settings)
-
-        @api.middleware("http")
-        async def keyed(request, call_next):
-            if not request.url.path.startswith(("/stats", "/kv_cache_stats")):
-                return await call_next(request)
-            self.asked.append(request.headers.get("authorization"))
-            if request.headers.get("authorization") != "Bearer sesame":
-                return JSONResponse({"error": {"message": "bad key", "type": "invalid_request_error",
-                                               "code": "invalid_api_key"}}, status_code=401)
-            return await call_next(request)
-
-        self._stop = run_uvicorn(api, self.port)
-
-
-def test_asks_for_a_key_on_401_and_keeps_it_for_the_tab(page):  # noqa: F811
-    a = KeyedApp(RecordStats())
+def test_asks_for_the_api_key_and_keeps_it_for_the_tab(page):  # noqa: F811
+    a = FakeApp(RecordStats(), Settings(model="random", dp=2, tp=1, api_keys="sesame"))
     try:
         a.stats.push(10)
-        page.goto(f"{a.url}/dashboard")
+        page.goto(f"{a.url}/dashboard")  # the page and its scripts are open; its data requests get 401
         page.locator("#auth-key").wait_for(state="visible", timeout=WAIT_MS)
         page.fill("#auth-key", "wrong")
         page.click("#auth-form button")
         page.wait_for_function("() => document.getElementById('auth-msg').textContent.includes('refused') && "
                                "!document.getElementById('auth').hidden", timeout=WAIT_MS)
-        page.fill("#auth-key", "sesame")
-        page.click("#auth-form button")
-        wait_for_iter(page, 9)
-        assert page.evaluate("() => sessionStorage.getItem('kvfleet.apiKey')") == "sesame"
-        assert "Bearer wrong" in a.asked
-        before = len(a.asked)
-        page.reload()  # the same tab: no question asked, the key goes with the first request
-        wait_for_iter(page, 9)
-        assert page.locator("#auth").is_hidden()
-        assert set(a.asked[before:]) == {"Bearer sesame"}
-        assert page.js_errors == []
-    finally:
-        a.stop()
-
-
-@pytest.mark.skipif("api_keys" not in Settings.model_fields,
-                    reason="API keys (issue 15) have not landed: Settings has no api_keys field")
-def test_asks_for_the_api_key_and_keeps_it_for_the_tab(page):  # noqa: F811
-    a = FakeApp(RecordStats(), Settings(model="random", dp=2, tp=1, api_keys="sesame"))
-    try:
-        a.stats.push(10)
-        page.goto(f"{a.url}/dashboard")  # the page and its scripts are open
-        page.locator("#auth-key").wait_for(state="visible", timeout=WAIT_MS)
         page.fill("#auth-key", "sesame")
         page.click("#auth-form button")
         wait_for_iter(page, 9)
