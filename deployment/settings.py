@@ -59,6 +59,22 @@ class Settings(BaseSettings):
     ingress_replicas: int = Field(1, ge=1, description="HTTP ingress replicas in front of the engine's replica")
     num_cpus_per_rank: float = Field(0.5, gt=0, description="Ray CPUs reserved by each rank actor")
     seed: int = Field(0, description="seed of the built-in model's weights")
+    routing: Literal["kv", "least_loaded", "round_robin"] = Field(
+        "kv", description="placement across dp groups: `kv` scores each group by the prompt blocks it holds "
+        "against its load; `least_loaded`, `round_robin` are the baselines"
+    )
+    routing_primary_weight: float = Field(1.0, ge=0, description="`kv` score per prompt token held on the primary tier")
+    routing_host_weight: float = Field(0.5, ge=0, description="`kv` score per prompt token held on the host tier")
+    routing_load_weight: float = Field(
+        1.0, ge=0, description="`kv` cost per token the group still has to compute or generate"
+    )
+    routing_free_weight: float = Field(
+        0.25, ge=0, description="`kv` cost per token of prompt blocks beyond the group's free blocks (evictions)"
+    )
+    kv_events: bool = Field(
+        False, description="keep recording KV events for `/kv_events` even with no listener and routing not `kv`"
+    )
+    kv_events_buffer: int = Field(10_000, ge=1, description="KV events kept for `/kv_events` replay")
 
     @model_validator(mode="before")
     @classmethod

@@ -28,6 +28,7 @@ from aggregator.delta import Iteration
 from . import ranks
 from .errors import EngineError, RequestError, RequestFailed, check_request, one_line
 from .loader import check_model, load_tokenizer
+from .placement import Router
 from .sampling import SamplingParams
 from .scheduler import Group, Request, plan_group
 from .stats_channel import StatsChannel
@@ -86,6 +87,7 @@ class Engine:
         self.error: str | None = None
         self._pgs: list = []
         self._groups = [Group() for _ in range(settings.dp)]
+        self.router = Router(settings, settings.dp)
         self._requests: dict[str, Request] = {}
         self._wake = asyncio.Event()  # set while there may be work; cleared only when no group has any
         self._changed = asyncio.Event()  # a request arrived, finished or left since the last step began
@@ -116,6 +118,8 @@ class Engine:
         self.rank_info = [info for group in await asyncio.gather(*map(ranks.setup_group, groups)) for info in group]
         self.max_request_tokens = min(info["max_request_tokens"] for info in self.rank_info)
         self.vocab_size = self.rank_info[0]["vocab_size"]
+        self.router.reuse_table = self.rank_info[0]["reuse_table"]
+        self.router.index.max_blocks = [info["kv_slots"] for info in self.rank_info[::s.tp]]
         if s.enable_stats:
             self.stats = StatsChannel(self.aggregator)
             await self.stats.register([info["layout"] for info in self.rank_info])
@@ -186,7 +190,8 @@ class Engine:
         if not up:
             raise EngineError("every dp group is down")
         req = Request(rid, list(prompt_token_ids), params, cache_salt, params.max_tokens)
-        req.dp = min(up, key=lambda dp: self._groups[dp].load)
+        req.block_keys = self.router.keys(req.prompt, cache_salt)
+        req.dp, req.predicted = self.router.choose(req.block_keys, len(req.prompt), self._groups, up)
         self._groups[req.dp].waiting.append(req)
         self._requests[rid] = req
         self._poke()
@@ -240,6 +245,7 @@ class Engine:
             for p in plans:
                 if p is not None:
                     p.iteration = self.iteration
+            self.router.plan(plans)
             self._changed.clear()
             results, deltas, missing = await self._step_all(plans)
             self._completed = 0
@@ -250,9 +256,11 @@ class Engine:
                     progress = True
                 elif res is not None:
                     progress = progress or bool(res.ran or res.failed)
+                    self.router.observe(dp, res, self._requests)
                     self._apply(self._groups[dp], res)
             if self.stats is not None:
-                self.stats.put(Iteration(self.iteration, time.time(), deltas, missing, self._figures(plans)))
+                self.stats.put(Iteration(self.iteration, time.time(), deltas, missing, self._figures(plans),
+                                         self.router.take_record()))
             self.iteration += 1
             self.steps += 1
             if self.error:
@@ -310,6 +318,7 @@ class Engine:
                 self._finish_failed(g, req, RequestFailed(f"generation failed: {why}"))
             return
         g.down = f"rank {failure.rank} is gone ({type(failure.error).__name__})"
+        self.router.drop_group(dp)
         log.error("dp group %d is down: %s", dp, g.down)
         error = EngineError(f"dp group {dp} is down: {g.down}")
         for req in list(g.waiting) + list(g.running):

@@ -32,6 +32,8 @@ class Request:
     done: bool = False
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     warmup: bool = False
+    block_keys: list[int] | None = None  # the prompt's full blocks' keys (workers/placement.py), or None
+    predicted: int = -1  # reused blocks its placement predicted; -1 once counted (or never placed by kv)
 
     @property
     def total(self) -> int:
@@ -57,7 +59,7 @@ def plan_group(g: Group, iteration: int, s: Any) -> StepPlan:
     g.to_close = []
     while g.waiting and len(g.running) < s.max_num_seqs:
         req = g.waiting.popleft()
-        plan.new.append(NewRequest(req.id, req.prompt, req.params, req.cache_salt))
+        plan.new.append(NewRequest(req.id, req.prompt, req.params, req.cache_salt, block_keys=req.block_keys))
         req.created = True
         g.running.append(req)
     budget = s.max_num_batched_tokens
