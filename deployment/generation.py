@@ -108,13 +108,13 @@ class _Generation:
             raise engine_error(exc) from None
         return params
 
-    async def _text(self, rid: str, ids: list[int], params: Any, stop: list[str],
-                    usage: list[int]) -> AsyncIterator[tuple[str, str | None]]:
+    async def _text(self, rid: str, ids: list[int], params: Any, stop: list[str], usage: list[int],
+                    cache_salt: str | None = None) -> AsyncIterator[tuple[str, str | None]]:
         """Yields (text delta, None) while generating and ends with one (final delta, finish_reason)."""
         tok = self.engine.tokenizer
         text = TextStream(tok.detokenizer(), stop)
         eos = set(tok.eos_token_ids)
-        events = self.engine.generate(rid, ids, params)
+        events = self.engine.generate(rid, ids, params, cache_salt)
         finish: str | None = None
         pending = ""
         try:
@@ -144,7 +144,7 @@ class _Generation:
         params = await self._params(req, ids)
         rid = protocol.new_id("cmpl" if kind == "text_completion" else "chatcmpl")
         usage = [len(ids), 0]  # prompt, completion tokens
-        text = self._text(rid, ids, params, req.stop_strings, usage)
+        text = self._text(rid, ids, params, req.stop_strings, usage, req.cache_salt)
         if req.stream:
             chunks = self._chunks(kind, rid, text, usage, req.include_usage)
             return StreamingResponse(_in_band_errors(chunks), media_type="text/event-stream", headers=SSE_HEADERS)

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from deployment.errors import ERROR_SCHEMA, ErrorResponse, clean_message, error_body, install_error_handlers
 from deployment.generation import EngineProtocol, openai_router
+from deployment.kv_events import kv_events_router
 from deployment.mirror import StatsMirror
 from deployment.settings import Settings
 from deployment.stats_routes import stats_router
@@ -34,6 +35,7 @@ def create_api(engine: EngineProtocol, stats: StatsMirror, settings: Settings) -
     api.state.stats = stats
     api.include_router(openai_router(engine, settings))
     api.include_router(stats_router(stats, settings.dp * settings.tp))
+    api.include_router(kv_events_router(engine))
 
     @api.get("/health", responses={503: {"description": "no dp group can serve, or the aggregator is down"}})
     async def health() -> Response:

@@ -221,6 +221,10 @@ class Engine:
             self._poke()
         log.info("request %s aborted after %d tokens", request_id, len(req.generated))
 
+    async def kv_events(self, after: int, timeout_s: float) -> list[tuple[int, dict]]:
+        """Long poll of the KV event stream (workers/kv_stream.py): (id, vLLM-shaped event) after `after`."""
+        return await self.router.stream.wait(after, timeout_s)
+
     async def health(self) -> dict[str, Any]:
         if self.error:
             raise EngineError(self.error)

@@ -9,8 +9,9 @@ group with the fewest requests, `round_robin` the next one. The `kv` score, in t
       - free_weight * B * (blocks the prompt needs beyond the group's free blocks: what it would evict)
 
 where hits are the longest prefix of the prompt's full blocks the group holds (the rank matches at most all
-but the prompt's last token). Ties go to the lighter group, then the one with more free blocks, then the lower
-dp rank. Salts are in the block keys (kvcache/events.py), so one salt's blocks never predict another's reuse.
+but the prompt's last token). Ties go to the lighter group, then the one holding fewer blocks (so tenants
+spread over the groups' caches), then the one with more free blocks, then the lower dp rank.
+Salts are in the block keys (kvcache/events.py), so one salt's blocks never predict another's reuse.
 
 Predicted vs realized: a request's prediction is its group's hits, in the statistics' units (the reused
 blocks a stats commit counts over every life cycle, `kvcache.events.reuse_table`); its realization is the
@@ -97,7 +98,8 @@ class Router:
                 p, h = hits[d]
                 load = group_load(groups[d])
                 short = max(0, need - p - h - self.free[d])
-                return (-(self.B * (wp * p + wh * h) - wl * load - wf * self.B * short), load, -self.free[d], d)
+                return (-(self.B * (wp * p + wh * h) - wl * load - wf * self.B * short), load,
+                        len(self.index.blocks[d]), -self.free[d], d)
 
             dp = min(up, key=rank)
         return dp, self.predicted(sum(hits[dp]))
