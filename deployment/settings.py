@@ -69,7 +69,8 @@ class Settings(BaseSettings):
         1.0, ge=0, description="`kv` cost per token the group still has to compute or generate"
     )
     routing_free_weight: float = Field(
-        0.25, ge=0, description="`kv` cost per token of prompt blocks beyond the group's free blocks (evictions)"
+        1.0, ge=0, description="`kv` cost per token of prompt blocks beyond the group's room (free blocks less its "
+        "waiting requests' needs): preemptions"
     )
     kv_events: bool = Field(
         False, description="keep recording KV events for `/kv_events` even with no listener and routing not `kv`"

@@ -65,7 +65,7 @@ def test_a_hot_tenant_does_not_pile_onto_one_group():
         await ask(eng, TENANT_A + [200])
         await settled(eng)
         held_a = 0 if eng.router.index.prefix(0, prompt_keys(TENANT_A, B)) != (0, 0) else 1
-        hot = [asyncio.ensure_future(ask(eng, TENANT_A + [230 + i], max_tokens=8)) for i in range(8)]
+        hot = [asyncio.ensure_future(ask(eng, TENANT_A + [230 + i], max_tokens=32)) for i in range(8)]
         await asyncio.gather(*hot)
         await settled(eng)
         per_group = eng.router.take_record()["perGroupRequests"]

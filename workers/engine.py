@@ -190,8 +190,7 @@ class Engine:
         if not up:
             raise EngineError("every dp group is down")
         req = Request(rid, list(prompt_token_ids), params, cache_salt, params.max_tokens)
-        req.block_keys = self.router.keys(req.prompt, cache_salt)
-        req.dp, req.predicted = self.router.choose(req.block_keys, len(req.prompt), self._groups, up)
+        self.router.place(req, self._groups, up)
         self._groups[req.dp].waiting.append(req)
         self._requests[rid] = req
         self._poke()

@@ -6,11 +6,13 @@ group with the fewest requests, `round_robin` the next one. The `kv` score, in t
 
     B * (primary_weight * primary hits + host_weight * host hits)
       - load_weight * (tokens still to compute or generate on the group)
-      - free_weight * B * (blocks the prompt needs beyond the group's free blocks: what it would evict)
+      - free_weight * B * (blocks the prompt needs beyond the group's room: what it would preempt)
 
-where hits are the longest prefix of the prompt's full blocks the group holds (the rank matches at most all
-but the prompt's last token). Ties go to the lighter group, then the one holding fewer blocks (so tenants
-spread over the groups' caches), then the one with more free blocks, then the lower dp rank.
+where room is the group's free blocks (free or evictable, as its rank last reported) less what its waiting
+requests will take, and hits are the longest prefix of the prompt's full blocks the group holds (the rank
+matches at most all but the prompt's last token). Ties go to the lighter group, then the one holding fewer
+blocks (so tenants spread over the groups' caches), then the one with more free blocks, then the lower dp
+rank.
 Salts are in the block keys (kvcache/events.py), so one salt's blocks never predict another's reuse.
 
 Predicted vs realized: a request's prediction is its group's hits, in the statistics' units (the reused
@@ -41,11 +43,18 @@ MAX_SALTS = 4096  # salts whose request counts are kept (the most frequent survi
 
 
 def group_load(g: Any) -> int:
-    """Tokens a group still has to compute or generate: prompts not yet prefilled and outputs not yet made."""
+    """Tokens a group still has to compute or generate: prompts not yet prefilled (less what their placement
+expects cached) and outputs not yet made."""
     total = 0
     for r in itertools.chain(g.waiting, g.running):
-        total += r.total - r.known_history + r.max_new - len(r.generated)
+        total += r.total - max(r.known_history, r.hit_tokens) + r.max_new - len(r.generated)
     return total
+
+
+def waiting_blocks(g: Any, B: int) -> int:
+    """Blocks the group's waiting requests will take beyond what their placement expects cached: room that
+    its last reported free blocks no longer have."""
+    return sum(max(0, -(-(r.total + r.max_new) // B) - r.hit_tokens // B) for r in g.waiting)
 
 
 def salt_label(salt: Any) -> str:
@@ -70,6 +79,7 @@ class Router:
         self._tally = _Tally(num_groups)
         self.salt_counts: dict[str, int] = {}
         self._reported_errors = 0
+        self._last_hits = 0  # prompt blocks the last choice found on its group
 
     # ---- the decision -------------------------------------------------------------------------------------
     @property
@@ -80,6 +90,15 @@ class Router:
     def keys(self, prompt: list[int], salt: Any) -> list[int] | None:
         """The prompt's block keys, computed once (the rank publishes with them), or None while events are off."""
         return prompt_keys(prompt, self.B, salt) if self._events_on or self.events_on else None
+
+    def place(self, req: Any, groups: Sequence[Any], up: list[int]) -> int:
+        """Put a new (or re-queued) request's placement on it: its block keys (computed once), its dp group,
+        its predicted reuse; returns the group. The caller queues it there."""
+        if req.block_keys is None:
+            req.block_keys = self.keys(req.prompt, req.cache_salt)
+        req.dp, req.predicted = self.choose(req.block_keys, len(req.prompt), groups, up)
+        req.hit_tokens = self._last_hits * self.B
+        return req.dp
 
     def choose(self, keys: list[int] | None, prompt_len: int, groups: Sequence[Any], up: list[int]) -> tuple[int, int]:
         """(dp group, predicted reused blocks) for a request of `prompt_len` tokens with these block keys."""
@@ -97,12 +116,13 @@ class Router:
             def rank(d: int) -> tuple:
                 p, h = hits[d]
                 load = group_load(groups[d])
-                short = max(0, need - p - h - self.free[d])
+                short = max(0, need - p - h - (self.free[d] - waiting_blocks(groups[d], self.B)))
                 return (-(self.B * (wp * p + wh * h) - wl * load - wf * self.B * short), load,
                         len(self.index.blocks[d]), -self.free[d], d)
 
             dp = min(up, key=rank)
-        return dp, self.predicted(sum(hits[dp]))
+        self._last_hits = sum(hits[dp])
+        return dp, self.predicted(self._last_hits)
 
     def predicted(self, blocks: int) -> int:
         table = self.reuse_table

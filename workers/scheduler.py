@@ -33,7 +33,8 @@ class Request:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     warmup: bool = False
     block_keys: list[int] | None = None  # the prompt's full blocks' keys (workers/placement.py), or None
-    predicted: int = -1  # reused blocks its placement predicted; -1 once counted (or never placed by kv)
+    predicted: int = -1  # reused blocks its placement predicted; -1 once counted
+    hit_tokens: int = 0  # prompt tokens its placement expects the rank to find cached (the group's load)
 
     @property
     def total(self) -> int:
