@@ -1,6 +1,6 @@
 """Placement across dp groups: the same multi-tenant workload under `kv`, `least_loaded` and `round_robin`.
 
-    python bench/routing_bench.py [--requests 128] [--dps 2,4] [--blocks 320] [--zipf 1.0] [--device cpu|cuda]
+    python bench/routing_bench.py [--requests 256] [--dps 2,4] [--blocks 320] [--zipf 1.0] [--device cpu|cuda]
 
 16 tenants, each with its own 512-token system prompt, pick their requests Zipf-distributed; each request is its
 tenant's system prompt + a unique 16-48-token question, 16 output tokens, 4-8 requests in flight (the limit
@@ -95,7 +95,7 @@ async def run_policy(settings: Settings, requests: list[tuple[int, list[int]]]) 
 
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=128)
+    ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--dps", default="2,4")
     ap.add_argument("--blocks", type=int, default=320, help="primary blocks per rank")
     ap.add_argument("--zipf", type=float, default=1.0)

@@ -66,7 +66,7 @@ class Settings(BaseSettings):
     routing_primary_weight: float = Field(1.0, ge=0, description="`kv` score per prompt token held on the primary tier")
     routing_host_weight: float = Field(0.5, ge=0, description="`kv` score per prompt token held on the host tier")
     routing_load_weight: float = Field(
-        1.0, ge=0, description="`kv` cost per token the group still has to compute or generate"
+        0.5, ge=0, description="`kv` cost per token the group still has to compute or generate"
     )
     routing_free_weight: float = Field(
         1.0, ge=0, description="`kv` cost per token of prompt blocks beyond the group's room (free blocks less its "

@@ -36,7 +36,7 @@ def hold(r: Router, dp: int, keys: list[int], tier: int = 0) -> None:
 
 
 def test_kv_picks_the_group_holding_the_prefix_until_its_load_outweighs_it():
-    r = router()
+    r = router(routing_load_weight=1.0)
     keys = prompt_keys(PROMPT, B)
     hold(r, 1, keys[:3])
     groups = [busy(0), busy(0), busy(0)]
