@@ -59,6 +59,10 @@ class Settings(BaseSettings):
     ingress_replicas: int = Field(1, ge=1, description="HTTP ingress replicas in front of the engine's replica")
     num_cpus_per_rank: float = Field(0.5, gt=0, description="Ray CPUs reserved by each rank actor")
     seed: int = Field(0, description="seed of the built-in model's weights")
+    step_transport: Literal["compiled_graph", "actor_calls"] = Field(
+        "compiled_graph", description="how the engine steps its ranks: one Ray Compiled Graph execution per "
+        "iteration, or one actor call per rank (bench/step_bench.py compares them)"
+    )
 
     @model_validator(mode="before")
     @classmethod

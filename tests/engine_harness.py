@@ -10,6 +10,7 @@ from workers.config import CacheSettings
 from workers.engine import Engine
 from workers.loader import load_model
 from workers.parallel import TPGroup
+from workers.transport import make_transport
 from workers.worker import RankSpec, RankWorker, build_kv_cache, layout_of
 
 _MODEL: dict = {}
@@ -59,6 +60,7 @@ async def make_engine(**overrides) -> Engine:
     eng = Engine(s)
     eng.rank_workers = [make_rank(s, r) for r in range(s.dp * s.tp)]
     eng.workers = [LocalRank(w) for w in eng.rank_workers]
+    eng.transport = make_transport("actor_calls", eng.workers)  # LocalRank answers step.remote like an actor
     eng.max_request_tokens = min(longest_request(w) for w in eng.rank_workers)
     eng.vocab_size = eng.rank_workers[0].model.config.vocab_size
     eng._loop_task = asyncio.get_running_loop().create_task(eng._loop())

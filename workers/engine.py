@@ -31,6 +31,7 @@ from .loader import check_model, load_tokenizer
 from .sampling import SamplingParams
 from .scheduler import Group, Request, plan_group
 from .stats_channel import StatsChannel
+from .transport import Transport, make_transport
 from .worker import NewRequest, StepPlan, StepResult, Work
 
 log = logging.getLogger("kvfleet.engine")
@@ -79,6 +80,7 @@ class Engine:
         self.aggregator = None
         self.stats: StatsChannel | None = None
         self.workers: list = []
+        self.transport: Transport | None = None
         self.rank_info: list[dict] = []
         self.iteration = 0
         self.steps = 0
@@ -116,6 +118,7 @@ class Engine:
         self.rank_info = [info for group in await asyncio.gather(*map(ranks.setup_group, groups)) for info in group]
         self.max_request_tokens = min(info["max_request_tokens"] for info in self.rank_info)
         self.vocab_size = self.rank_info[0]["vocab_size"]
+        self.transport = make_transport(s.step_transport, self.workers)
         if s.enable_stats:
             self.stats = StatsChannel(self.aggregator)
             await self.stats.register([info["layout"] for info in self.rank_info])
@@ -157,6 +160,8 @@ class Engine:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.stats.drained(), 5.0)
             await self.stats.close()
+        if self.transport is not None:
+            await self.transport.close()
         ranks.stop(self.workers, self._pgs)
         self.workers, self._pgs = [], []
 
@@ -280,8 +285,8 @@ class Engine:
         rank's stats delta, and the ranks that gave none (not stepped, or failed)."""
         tp = self.settings.tp
         ranks = [rank for rank in range(len(self.workers)) if plans[rank // tp] is not None]
-        outs = await asyncio.gather(*[self.workers[r].step.remote(plans[r // tp]) for r in ranks],
-                                    return_exceptions=True)
+        stepped = await self.transport.step([plans[r // tp] for r in range(len(self.workers))])
+        outs = [stepped[r] for r in ranks]
         results: list = [None] * len(plans)
         deltas = [out.delta for out in outs if isinstance(out, StepResult) and out.delta is not None]
         reported = {d.rank for d in deltas}
