@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import pickle
 import threading
 from typing import Any, Protocol
 
@@ -88,8 +89,12 @@ class ActorCalls:
 _NOT_STEPPED = "not-stepped"
 
 
-def _graph_step(worker: Any, seq: int, plan: StepPlan | None) -> Outcome:
-    """Step the rank and keep what it answered under `seq`, for `_kept_step` should the graph fail."""
+def _graph_step(worker: Any, seq: int, plan: StepPlan | None) -> bytes | None:
+    """Step the rank and keep what it answered under `seq`, for `_kept_step` should the graph fail.
+
+    The answer goes back pickled: the graph would hand numpy arrays (the stats delta's row) to the engine
+    zero-copy, as views of its channel buffers, which the engine keeps past the execution (and past
+    ray.shutdown(), where freeing them crashes the process)."""
     if plan is None:
         return None
     lock = worker.__dict__.setdefault("_transport_lock", threading.Lock())
@@ -99,7 +104,7 @@ def _graph_step(worker: Any, seq: int, plan: StepPlan | None) -> Outcome:
         except Exception as e:  # returned, not raised: a raising task fails every rank's output
             res = e
         worker._transport_kept = (seq, res)
-    return res
+    return pickle.dumps(res, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _kept_step(worker: Any, seq: int, timeout_s: float) -> Outcome | str:
@@ -161,11 +166,12 @@ class CompiledGraph:
 
     async def _execute(self, seq: int, plans: list[StepPlan | None]) -> list[Outcome]:
         futs = await self.graph.execute_async(seq, *plans)
-        return [await f for f in futs]  # one read serves all: the first await fetches every output
+        outs = [await f for f in futs]  # one read serves all: the first await fetches every output
+        return [None if out is None else pickle.loads(out) for out in outs]
 
     async def _recover(self, seq: int, members: list[int], error: Exception) -> list[Outcome]:
         """After a failed execution: tear the graph down (so no rank is mid-step), then each rank's answer."""
-        await asyncio.get_running_loop().run_in_executor(None, self._teardown)
+        await self._close_graph()
 
         async def ask(r: int) -> Outcome | str:
             ref = self.workers[r].__ray_call__.remote(_kept_step, seq, RECOVER_TIMEOUT_S)
@@ -184,7 +190,16 @@ class CompiledGraph:
             results.append(ans)
         return results
 
+    async def _close_graph(self) -> None:
+        """Tear down on the loop's own thread (the graph's reader and writer are tasks of this loop), then let
+        those tasks finish: a graph object left to the garbage collector after ray.shutdown() crashes it."""
+        self._teardown()
+        for _ in range(3):
+            await asyncio.sleep(0)
+
     def _teardown(self) -> None:
+        """Blocks until every rank's graph loop has exited: milliseconds, up to Ray's teardown timeout (30 s)
+        for a rank that hangs mid-step."""
         graph, self.graph = self.graph, None
         if graph is None:
             return
@@ -202,5 +217,5 @@ class CompiledGraph:
         self.workers = list(workers)
 
     async def close(self) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, self._teardown)
+        await self._close_graph()
         self.workers = []
