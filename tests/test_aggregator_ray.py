@@ -46,14 +46,15 @@ def test_aggregator_killed_mid_stream_loses_and_doubles_nothing(ray_cluster):
 
 
 @pytest.mark.e2e
-def test_a_killed_rank_is_named_missing_at_once_and_the_other_group_serves(ray_cluster):
+@pytest.mark.parametrize("transport", ["compiled_graph", "actor_calls"])
+def test_a_killed_rank_is_named_missing_at_once_and_the_other_group_serves(ray_cluster, transport):
     from deployment.settings import Settings
     from workers.engine import Engine, EngineError
     from workers.sampling import SamplingParams
 
     async def main():
-        eng = Engine(Settings(model="random", engine_id="t-rank-kill", dp=2, tp=1, device="cpu", max_seq_len=128,
-                              kv_cache_bytes=256 << 10, host_cache_bytes=0))
+        eng = Engine(Settings(model="random", engine_id=f"t-rank-kill-{transport}", dp=2, tp=1, device="cpu",
+                              max_seq_len=128, kv_cache_bytes=256 << 10, host_cache_bytes=0, step_transport=transport))
         await eng.start()
         try:
             params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

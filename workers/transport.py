@@ -9,7 +9,8 @@ compiling again, ~0.5 s). Ranks step through `__ray_call__` with `_graph_step`, 
 exception in one task would become every rank's result) and keeps its last result on the rank. When a rank
 dies Ray tears the whole graph down and every output is lost, so the transport asks each rank over an
 ordinary call what it did in that execution: a dead rank answers with RayActorError, a live one with the
-result it kept. The ranks then step without the dead ones, in a graph compiled again on the next step.
+result it kept, and a live one the execution never reached steps then, over an ordinary call. The ranks
+then step without the dead ones, in a graph compiled again on the next step (or over `replace()`'s ranks).
 """
 
 from __future__ import annotations
@@ -119,10 +120,6 @@ def _kept_step(worker: Any, seq: int, timeout_s: float) -> Outcome | str:
         lock.release()
 
 
-class StepLost(RuntimeError):
-    """The compiled graph failed before this live rank read its plan: the plan was not applied."""
-
-
 class CompiledGraph:
     """One compiled graph over the live ranks; one `execute_async` per step."""
 
@@ -131,6 +128,7 @@ class CompiledGraph:
         self.timeout_s = timeout_s
         self.graph: Any = None  # ray.dag.CompiledDAG while compiled
         self._members: list[int] = []  # the ranks in the graph, in its output order
+        self._loop_ended: asyncio.Future | None = None  # done when any rank's graph loop ends (a rank died)
         self._seq = 0
 
     def _compile(self) -> None:
@@ -142,6 +140,8 @@ class CompiledGraph:
                     for i, r in enumerate(self._members)]
             dag = MultiOutputNode(outs)
         self.graph = dag.experimental_compile(enable_asyncio=True, _submit_timeout=self.timeout_s)
+        loops = [asyncio.wrap_future(ref.future()) for ref in self.graph.worker_task_refs.values()]
+        self._loop_ended = asyncio.ensure_future(asyncio.wait(loops, return_when=asyncio.FIRST_COMPLETED))
         log.info("compiled the step graph over ranks %s", self._members)
 
     async def step(self, plans: list[StepPlan | None]) -> list[Outcome]:
@@ -159,35 +159,47 @@ class CompiledGraph:
             results = await asyncio.wait_for(self._execute(seq, [plans[r] for r in members]), self.timeout_s)
         except Exception as e:
             log.warning("step graph execution %d failed (%s): asking each rank what it did", seq, e)
-            results = await self._recover(seq, members, e)
+            results = await self._recover(seq, members, [plans[r] for r in members])
         for r, res in zip(members, results, strict=True):
             out[r] = res if plans[r] is not None else None
         return out
 
     async def _execute(self, seq: int, plans: list[StepPlan | None]) -> list[Outcome]:
+        """The execution's outputs; raises when a rank's graph loop ends first. (When Ray tears a graph down
+        for a dead rank between the write and the read, the execution's future is never resolved.)"""
         futs = await self.graph.execute_async(seq, *plans)
-        outs = [await f for f in futs]  # one read serves all: the first await fetches every output
-        return [None if out is None else pickle.loads(out) for out in outs]
 
-    async def _recover(self, seq: int, members: list[int], error: Exception) -> list[Outcome]:
-        """After a failed execution: tear the graph down (so no rank is mid-step), then each rank's answer."""
+        async def read() -> list:
+            return [await f for f in futs]  # one read serves all: the first await fetches every output
+
+        reading = asyncio.ensure_future(read())
+        await asyncio.wait([reading, self._loop_ended], return_when=asyncio.FIRST_COMPLETED)
+        if not reading.done():
+            reading.cancel()
+            raise RuntimeError("a rank's graph loop ended during the execution")
+        return [None if out is None else pickle.loads(out) for out in reading.result()]
+
+    async def _recover(self, seq: int, members: list[int], plans: list[StepPlan | None]) -> list[Outcome]:
+        """After a failed execution: tear the graph down (so no rank is mid-step), then each rank's answer to
+        execution `seq`; a live rank the execution never reached steps now, over an ordinary call."""
         await self._close_graph()
 
-        async def ask(r: int) -> Outcome | str:
+        async def answer(r: int, plan: StepPlan | None) -> Outcome:
             ref = self.workers[r].__ray_call__.remote(_kept_step, seq, RECOVER_TIMEOUT_S)
-            return await asyncio.wait_for(ref, RECOVER_TIMEOUT_S + 10)
+            try:
+                kept = await asyncio.wait_for(ref, RECOVER_TIMEOUT_S + 10)
+            except ray.exceptions.RayActorError:
+                raise
+            except Exception as e:  # no answer: counted as gone, as a hung rank is
+                raise ray.exceptions.ActorUnavailableError(f"rank {r} did not answer: {e!r}", None) from e
+            if kept != _NOT_STEPPED or plan is None:
+                return kept
+            return await self.workers[r].step.remote(plan)
 
-        answers = await asyncio.gather(*map(ask, members), return_exceptions=True)
-        results: list[Outcome] = []
-        for r, ans in zip(members, answers, strict=True):
-            if isinstance(ans, ray.exceptions.RayActorError):
+        results = await asyncio.gather(*map(answer, members, plans), return_exceptions=True)
+        for r, res in zip(members, results, strict=True):
+            if isinstance(res, ray.exceptions.RayActorError):
                 self.workers[r] = None  # gone: the next graph is compiled without it
-            elif isinstance(ans, BaseException):  # no answer: counted as gone, as a hung rank is
-                ans = ray.exceptions.ActorUnavailableError(f"rank {r} did not answer: {ans!r}", None)
-                self.workers[r] = None
-            elif ans == _NOT_STEPPED:
-                ans = StepLost(f"rank {r} did not step: the step graph failed first ({error!r})")
-            results.append(ans)
         return results
 
     async def _close_graph(self) -> None:
@@ -203,6 +215,8 @@ class CompiledGraph:
         graph, self.graph = self.graph, None
         if graph is None:
             return
+        if self._loop_ended is not None:
+            self._loop_ended.cancel()
         with contextlib.suppress(Exception):
             graph.teardown()
         # Ray 2.60's asyncio input writer does not stop its thread on close (the reader does): stop it here,
