@@ -7,7 +7,8 @@ tiny batch), each of its steps timed around the transport, minus the slowest ran
 measured it (`StepResult.step_s`); the median over the steps of a round, then the median over rounds.
 Target: compiled graph <= 0.35x the actor calls at 8 ranks. End to end: output tokens/s of
 bench/engine_bench.py's decode workload (16 concurrent requests x 48 tokens) at dp 2; target >= 1.0x.
-Rounds alternate the transports' order to share the machine's noise. Prints the load average, no assertions.
+Also the CPU the idle engine's ranks burn (a compiled graph's readers poll their channels). Rounds alternate
+the transports' order to share the machine's noise. Prints the load average, no assertions.
 """
 
 import argparse
@@ -18,6 +19,7 @@ import time
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
+import psutil  # noqa: E402
 import ray  # noqa: E402
 
 from bench.engine_bench import decode_tokens_per_s  # noqa: E402
@@ -71,11 +73,23 @@ def base_settings(device: str, dp: int, transport: str, tag: str) -> Settings:
                     step_transport=transport)
 
 
-async def with_engine(settings: Settings, rounds: int, fn, *args) -> list[float]:
+async def idle_rank_cpu(eng: Engine, seconds: float = 2.0) -> float:
+    """CPU % of one core that the engine's ranks burn together while the engine has nothing to do."""
+    procs = [psutil.Process((await w.address.remote())["pid"]) for w in eng.workers]
+    for p in procs:
+        p.cpu_percent()
+    await asyncio.sleep(seconds)
+    return sum(p.cpu_percent() for p in procs)
+
+
+async def with_engine(settings: Settings, rounds: int, fn, *args, idle: list | None = None) -> list[float]:
     eng = Engine(settings)
     await eng.start()
     try:
-        return [await fn(eng, *args) for _ in range(rounds)]
+        got = [await fn(eng, *args) for _ in range(rounds)]
+        if idle is not None:
+            idle.append(await idle_rank_cpu(eng))
+        return got
     finally:
         await eng.shutdown()
 
@@ -97,13 +111,15 @@ async def main() -> None:
     print(f"control overhead per step (ms; median of steps, median of {args.rounds}x{args.steps} rounds):")
     for n in args.ranks:
         got: dict[str, list[float]] = {t: [] for t in STEP_TRANSPORTS}
+        idle: dict[str, list[float]] = {t: [] for t in STEP_TRANSPORTS}
         for r in range(args.rounds):
             for t in STEP_TRANSPORTS if r % 2 == 0 else STEP_TRANSPORTS[::-1]:
                 got[t] += await with_engine(base_settings(args.device, n, t, f"o{n}-{r}"), args.steps,
-                                            overhead_ms, args.gen)
+                                            overhead_ms, args.gen, idle=idle[t])
         cg, ac = (statistics.median(got[t]) for t in STEP_TRANSPORTS)
+        icg, iac = (statistics.median(idle[t]) for t in STEP_TRANSPORTS)
         print(f"  {n} ranks: compiled_graph {cg:6.2f}  actor_calls {ac:6.2f}  ratio {cg / ac:.2f} "
-              f"(target at 8 ranks <= 0.35)   [{load()}]")
+              f"(target at 8 ranks <= 0.35); idle ranks burn {icg:.0f}% vs {iac:.0f}% of a core   [{load()}]")
     if args.skip_e2e:
         return
     tps: dict[str, list[float]] = {t: [] for t in STEP_TRANSPORTS}

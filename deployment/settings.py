@@ -60,8 +60,9 @@ class Settings(BaseSettings):
     num_cpus_per_rank: float = Field(0.5, gt=0, description="Ray CPUs reserved by each rank actor")
     seed: int = Field(0, description="seed of the built-in model's weights")
     step_transport: Literal["compiled_graph", "actor_calls"] = Field(
-        "compiled_graph", description="how the engine steps its ranks: one Ray Compiled Graph execution per "
-        "iteration, or one actor call per rank (bench/step_bench.py compares them)"
+        "actor_calls", description="how the engine steps its ranks: one actor call per rank, or one Ray "
+        "Compiled Graph execution per iteration (its ranks poll their channels, a core's share each even "
+        "when idle: a loss where ranks outnumber cores; see bench/step_bench.py)"
     )
 
     @model_validator(mode="before")

@@ -173,9 +173,13 @@ class CompiledGraph:
             return [await f for f in futs]  # one read serves all: the first await fetches every output
 
         reading = asyncio.ensure_future(read())
-        await asyncio.wait([reading, self._loop_ended], return_when=asyncio.FIRST_COMPLETED)
-        if not reading.done():
-            reading.cancel()
+        try:
+            await asyncio.wait([reading, self._loop_ended], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            read_all = reading.done()
+            if not read_all:  # a rank's loop ended, or the step itself was cancelled (shutdown)
+                reading.cancel()
+        if not read_all:
             raise RuntimeError("a rank's graph loop ended during the execution")
         return [None if out is None else pickle.loads(out) for out in reading.result()]
 
