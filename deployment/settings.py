@@ -61,8 +61,8 @@ class Settings(BaseSettings):
     seed: int = Field(0, description="seed of the built-in model's weights")
     step_transport: Literal["compiled_graph", "actor_calls"] = Field(
         "actor_calls", description="how the engine steps its ranks: one actor call per rank, or one Ray "
-        "Compiled Graph execution per iteration (its ranks poll their channels, a core's share each even "
-        "when idle: a loss where ranks outnumber cores; see bench/step_bench.py)"
+        "Compiled Graph execution per iteration (less driver work per step, but its waiting ranks spin on "
+        "their channels, even when the engine is idle; bench/step_bench.py measures both)"
     )
 
     @model_validator(mode="before")
