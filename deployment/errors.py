@@ -34,9 +34,10 @@ class APIError(Exception):
     """An error a route raises on purpose; becomes an OpenAI-shaped JSON response."""
 
     def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None,
-                 type_: str | None = None) -> None:
+                 type_: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.headers = headers
         self.message = message
         self.code = code
         self.param = param
@@ -75,7 +76,8 @@ def error_body(message: str, type_: str, code: str | None = None, param: str | N
 
 
 def error_response(err: APIError) -> JSONResponse:
-    return ErrorResponse(error_body(err.message, err.type, err.code, err.param), status_code=err.status)
+    return ErrorResponse(error_body(err.message, err.type, err.code, err.param), status_code=err.status,
+                         headers=err.headers)
 
 
 def validation_message(errors: list[dict]) -> tuple[str, str | None, str | None]:

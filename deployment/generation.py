@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any, Literal, Protocol
@@ -23,7 +24,7 @@ from deployment.detokenize import TextStream
 from deployment.errors import APIError, clean_message, error_body
 from deployment.settings import Settings
 from deployment.sse import SSE_EVENT, SSE_HEADERS
-from workers.errors import EngineError, RequestError, RequestFailed
+from workers.errors import EngineError, Overloaded, RequestError, RequestFailed
 
 logger = logging.getLogger("kvfleet.deployment")
 
@@ -39,7 +40,8 @@ class EngineProtocol(Protocol):
 
     async def validate(self, prompt_token_ids: list[int], params: Any) -> None: ...
     def generate(self, request_id: str | None, prompt_token_ids: list[int], params: Any,
-                 cache_salt: str | None = None) -> AsyncGenerator[Any, None]: ...
+                 cache_salt: str | None = None) -> AsyncGenerator[Any, None]:
+        """Token events; an engine behind a handle yields None first, once it has admitted the request."""
     async def health(self) -> dict[str, Any]: ...
 
 
@@ -47,12 +49,43 @@ def engine_error(exc: Exception) -> APIError:
     """What a client sees of a failure: one clean line, never a traceback."""
     if isinstance(exc, RequestError):
         return APIError(400, exc.message, code=exc.code)
+    if isinstance(exc, Overloaded):
+        return APIError(429, f"the engine is overloaded: {clean_message(exc)}", code="overloaded",
+                        headers=_retry_after(exc))
     if isinstance(exc, EngineError):
-        return APIError(503, f"the engine cannot serve: {clean_message(exc)}", code="engine_unavailable")
+        return APIError(503, f"the engine cannot serve: {clean_message(exc)}", code="engine_unavailable",
+                        headers=_retry_after(exc))
     if isinstance(exc, RequestFailed):
         return APIError(500, clean_message(exc), code="request_failed")
     logger.exception("generation failed")
     return APIError(500, f"generation failed: {type(exc).__name__}", code="internal_error")
+
+
+def _retry_after(exc: EngineError) -> dict[str, str]:
+    return {"Retry-After": str(max(1, math.ceil(getattr(exc, "retry_after_s", 1.0))))}
+
+
+async def _admitted(events: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:
+    """The events once the engine has admitted the request (its first event), so that a refusal (overload,
+    no dp group up) is answered with its HTTP status and Retry-After, not as an error inside a 200 stream."""
+    try:
+        first = await anext(events)
+    except StopAsyncIteration:
+        first = None
+    except Exception as exc:
+        await events.aclose()
+        raise engine_error(exc) from None
+    return _chain(first, events)
+
+
+async def _chain(first: Any, events: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:
+    try:
+        if first is not None:
+            yield first
+        async for ev in events:
+            yield ev
+    finally:
+        await events.aclose()  # leaving early (stop string, disconnect) aborts the engine's request
 
 
 async def _until_disconnected(request: Request) -> None:
@@ -99,7 +132,7 @@ class _Generation:
             max_tokens = max(1, min(self.settings.max_tokens_default, self.engine.max_model_len - len(ids)))
         try:
             params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                    top_k=max(req.top_k, 0), seed=req.seed)
+                                    top_k=max(req.top_k, 0), seed=req.seed, ignore_eos=req.ignore_eos)
         except ValueError as exc:
             raise APIError(400, str(exc), code="invalid_sampling_params") from None
         try:
@@ -108,17 +141,18 @@ class _Generation:
             raise engine_error(exc) from None
         return params
 
-    async def _text(self, rid: str, ids: list[int], params: Any, stop: list[str],
+    async def _text(self, rid: str, events: AsyncGenerator[Any, None], stop: list[str],
                     usage: list[int]) -> AsyncIterator[tuple[str, str | None]]:
         """Yields (text delta, None) while generating and ends with one (final delta, finish_reason)."""
         tok = self.engine.tokenizer
         text = TextStream(tok.detokenizer(), stop)
         eos = set(tok.eos_token_ids)
-        events = self.engine.generate(rid, ids, params)
         finish: str | None = None
         pending = ""
         try:
             async for ev in events:
+                if ev is None:  # the admission marker
+                    continue
                 usage[1] += 1
                 finish = ev.finish_reason
                 if finish == "stop" and ev.token_id in eos:
@@ -144,7 +178,8 @@ class _Generation:
         params = await self._params(req, ids)
         rid = protocol.new_id("cmpl" if kind == "text_completion" else "chatcmpl")
         usage = [len(ids), 0]  # prompt, completion tokens
-        text = self._text(rid, ids, params, req.stop_strings, usage)
+        events = await _admitted(self.engine.generate(rid, ids, params))
+        text = self._text(rid, events, req.stop_strings, usage)
         if req.stream:
             chunks = self._chunks(kind, rid, text, usage, req.include_usage)
             return StreamingResponse(_in_band_errors(chunks), media_type="text/event-stream", headers=SSE_HEADERS)
@@ -233,8 +268,10 @@ _JSON_OR_SSE = {"application/json": {"schema": {"type": "object"}},
 GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"description": "the completion (JSON), or its chunks as Server-Sent Events with stream=true",
           "content": _JSON_OR_SSE},
+    401: {"description": "API keys are set and the request has none, or a wrong one"},
     404: {"description": "the model is not the served one"},
+    429: {"description": "the engine's waiting queue is full; retry after Retry-After seconds"},
     499: {"description": "the client went away before the answer (nothing is sent)"},
     500: {"description": "the request failed on its ranks"},
-    503: {"description": "the engine cannot serve"},
+    503: {"description": "the engine cannot serve now (no dp group up, or restarting); retry after Retry-After"},
 }

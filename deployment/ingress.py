@@ -12,6 +12,7 @@ Neither reserves CPU: the rank actors reserve theirs (dp * tp * num_cpus_per_ran
 a 2-core laptop, where `serve run deployment:app` gives Ray exactly 2 CPUs.
 """
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -30,6 +31,8 @@ from workers.errors import EngineError, RequestError, RequestFailed, check_reque
 logger = logging.getLogger("kvfleet.deployment")
 
 NUM_CPUS = 0
+# how long the ingress waits for the engine replica to admit a request: longer means it is being replaced
+ADMISSION_TIMEOUT_S = 10.0
 # /stats pollers, /stats/stream subscribers and streamed generations are long-lived: Serve's default (5)
 # would queue them
 MAX_ONGOING_REQUESTS = 1000
@@ -90,8 +93,15 @@ class KVFleetEngine:
 
     async def generate(self, request_id: str | None, prompt_token_ids: list[int], params: Any,
                        cache_salt: str | None = None) -> AsyncIterator[Any]:
-        async for ev in self._engine.generate(request_id, prompt_token_ids, params, cache_salt):
-            yield ev
+        """None once the engine has admitted the request (so the ingress answers a refusal with its status
+        code, before any response starts), then its token events."""
+        req = self._engine.submit(request_id, prompt_token_ids, params, cache_salt)
+        try:
+            yield None
+            async for ev in self._engine.stream(req):
+                yield ev
+        finally:
+            self._engine.abort(req.id)  # a no-op once it finished
 
     async def health(self) -> dict[str, Any]:
         return await self._engine.health()
@@ -127,8 +137,15 @@ class EngineClient:
 
     async def generate(self, request_id: str | None, prompt_token_ids: list[int], params: Any,
                        cache_salt: str | None = None) -> AsyncIterator[Any]:
+        """None once the engine admitted the request, then its token events. An engine replica that does not
+        admit it within ADMISSION_TIMEOUT_S (it is being replaced: Serve queues the call) is a 503."""
         gen = self._stream.generate.remote(request_id, prompt_token_ids, params, cache_salt)
         try:
+            try:
+                yield await asyncio.wait_for(gen.__anext__(), ADMISSION_TIMEOUT_S)
+            except TimeoutError:
+                raise EngineError(f"the engine replica did not answer within {ADMISSION_TIMEOUT_S:g} s "
+                                  "(it may be restarting)", ADMISSION_TIMEOUT_S) from None
             async for ev in gen:
                 yield ev
         except Exception as e:
@@ -150,7 +167,7 @@ def _engine_error(e: Exception) -> Exception:
         return e.cause if isinstance(cause, _ENGINE_ERRORS) else e
     if isinstance(cause, _ENGINE_ERRORS):
         return cause
-    return EngineError(f"the engine replica is unavailable ({type(e).__name__})")
+    return EngineError(f"the engine replica is unavailable ({type(e).__name__})", ADMISSION_TIMEOUT_S)
 
 
 @serve.deployment(
@@ -171,6 +188,10 @@ class KVFleetIngress:
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return create_api(self._engine, self._stats, self._settings)
+
+    async def check_health(self) -> None:
+        """Serve's replica health check: a replica whose stats mirror died is replaced."""
+        self._stats.check()
 
     async def __del__(self) -> None:
         stats = getattr(self, "_stats", None)

@@ -55,6 +55,11 @@ class StatsMirror:
         if self._pump is None or self._pump.done():
             self._pump = asyncio.get_running_loop().create_task(self._follow())
 
+    def check(self) -> None:
+        """Raise if the follower died of a bug (it outlives aggregator restarts by itself)."""
+        if self._pump is not None and self._pump.done() and not self._pump.cancelled():
+            raise RuntimeError(f"the stats mirror stopped: {self._pump.exception()!r}")
+
     async def close(self) -> None:
         if self._pump is not None:
             self._pump.cancel()

@@ -57,6 +57,7 @@ class _SamplingRequest(_Strict):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=-1, description="0 or -1 = off (extension, as in vLLM)")
     seed: int | None = Field(None, ge=0, lt=2**63)
+    ignore_eos: bool = Field(False, description="generate past the end-of-sequence token (extension, as in vLLM)")
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

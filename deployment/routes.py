@@ -1,4 +1,4 @@
-"""The HTTP API: one FastAPI app from the OpenAI router, the statistics router and /health.
+"""The HTTP API: one FastAPI app from the OpenAI router, the statistics router, the dashboard and /health.
 
 `create_api(engine, stats, settings)` knows nothing about Ray Serve: the routes are tested with a fake engine
 (implementing `EngineProtocol`) under plain uvicorn; `ingress.py` plugs in the engine's handle and the stats
@@ -12,15 +12,17 @@ import asyncio
 import logging
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 
+from deployment.auth import KeyCheck, load_keys
+from deployment.dashboard_routes import dashboard_router
 from deployment.errors import ERROR_SCHEMA, ErrorResponse, clean_message, error_body, install_error_handlers
 from deployment.generation import EngineProtocol, openai_router
 from deployment.mirror import StatsMirror
 from deployment.settings import Settings
-from deployment.stats_routes import stats_router
+from deployment.stats_routes import metrics_router, stats_router
 
 logger = logging.getLogger("kvfleet.deployment")
 
@@ -32,8 +34,13 @@ def create_api(engine: EngineProtocol, stats: StatsMirror, settings: Settings) -
     api = FastAPI(title="kvfleet", version="0.1.0")
     install_error_handlers(api)
     api.state.stats = stats
-    api.include_router(openai_router(engine, settings))
-    api.include_router(stats_router(stats, settings.dp * settings.tp))
+    keys = load_keys(settings.api_keys.get_secret_value())
+    scrape_keys = keys + load_keys(settings.metrics_api_key.get_secret_value())
+    keyed = [Depends(KeyCheck(keys))] if keys else []
+    api.include_router(openai_router(engine, settings), dependencies=keyed)
+    api.include_router(stats_router(stats, settings.dp * settings.tp), dependencies=keyed)
+    api.include_router(metrics_router(stats), dependencies=[Depends(KeyCheck(scrape_keys))] if scrape_keys else [])
+    api.include_router(dashboard_router())  # the page and its scripts carry no data: open; its requests are keyed
 
     @api.get("/health", responses={503: {"description": "no dp group can serve, or the aggregator is down"}})
     async def health() -> Response:

@@ -10,7 +10,7 @@ built-in random-weight model that tests use. Nothing here reads the model: the e
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # kept in step with workers.loader (not imported: importing deployment must not import torch)
@@ -59,6 +59,25 @@ class Settings(BaseSettings):
     ingress_replicas: int = Field(1, ge=1, description="HTTP ingress replicas in front of the engine's replica")
     num_cpus_per_rank: float = Field(0.5, gt=0, description="Ray CPUs reserved by each rank actor")
     seed: int = Field(0, description="seed of the built-in model's weights")
+    max_waiting_requests: int = Field(
+        256, ge=1, description="requests waiting for a place in the engine; beyond it new requests get 429"
+    )
+    placement_timeout_s: float = Field(
+        30.0, gt=0, description="how long a request waits for a dp group to come back up before it gets 503"
+    )
+    max_group_restarts: int = Field(
+        3, ge=0, description="restarts of a dp group in a row (without serving a request) before it stays down"
+    )
+    restart_backoff_s: float = Field(
+        0.5, ge=0, description="pause before a dead dp group's first restart, doubling per failure (30 s at most)"
+    )
+    api_keys: SecretStr = Field(
+        SecretStr(""), description="API keys (comma-separated, or `@path`: a file, one per line); empty = none. "
+        "When set, every route but /health and /dashboard needs `Authorization: Bearer <key>`"
+    )
+    metrics_api_key: SecretStr = Field(
+        SecretStr(""), description="a key (or `@path`) that /metrics also accepts, for Prometheus' bearer token"
+    )
     step_transport: Literal["compiled_graph", "actor_calls"] = Field(
         "actor_calls", description="how the engine steps its ranks: one actor call per rank, or one Ray "
         "Compiled Graph execution per iteration (less driver work per step, but its waiting ranks spin on "
@@ -76,11 +95,20 @@ class Settings(BaseSettings):
         return data
 
 
+    @model_validator(mode="after")
+    def _keys_are_readable(self) -> "Settings":
+        from deployment.auth import load_keys  # a bad @path fails `serve run` here, not at the first request
+
+        load_keys(self.api_keys.get_secret_value())
+        load_keys(self.metrics_api_key.get_secret_value())
+        return self
+
+
 def settings_table_markdown() -> str:
     """The README's settings table, generated from the fields so the two cannot drift apart."""
     rows = ["| setting | env var | default | meaning |", "|---|---|---|---|"]
     for name, field in Settings.model_fields.items():
-        default = field.default
+        default = field.default.get_secret_value() if isinstance(field.default, SecretStr) else field.default
         shown = f'`"{default}"`' if isinstance(default, str) else f"`{default}`"
         rows.append(f"| `{name}` | `KVFLEET_{name.upper()}` | {shown} | {field.description} |")
     return "\n".join(rows) + "\n"

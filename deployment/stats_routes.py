@@ -61,6 +61,13 @@ def stats_router(stats: StatsMirror, world_size: int) -> APIRouter:
     async def kv_cache_stats() -> dict:
         return await stats.kv_cache_stats()
 
+    return router
+
+
+def metrics_router(stats: StatsMirror) -> APIRouter:
+    """/metrics alone: it takes the scrape key as well as the API keys (routes.py)."""
+    router = APIRouter(tags=["statistics"])
+
     @router.get("/metrics", response_class=PlainTextResponse, responses={200: {
         "description": "Prometheus text exposition", "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics() -> Response:

@@ -6,6 +6,7 @@ import types
 import torch
 
 from deployment.settings import Settings
+from workers import ranks
 from workers.config import CacheSettings
 from workers.engine import Engine
 from workers.loader import load_model
@@ -55,12 +56,27 @@ def longest_request(w: RankWorker) -> int:
 async def make_engine(**overrides) -> Engine:
     """An engine stepping in the running loop; `engine.ranks` are the LocalRanks, `engine.rank_workers` theirs."""
     base = dict(model="random", engine_id="local", dp=1, tp=1, device="cpu", max_seq_len=256, kv_cache_bytes=512 << 10,
-                host_cache_bytes=0, max_num_batched_tokens=48, seed=0, tokens_per_block=16)
+                host_cache_bytes=0, max_num_batched_tokens=48, seed=0, tokens_per_block=16, restart_backoff_s=0)
     s = Settings(**{**base, **overrides})
     eng = Engine(s)
     eng.rank_workers = [make_rank(s, r) for r in range(s.dp * s.tp)]
     eng.workers = [LocalRank(w) for w in eng.rank_workers]
+    eng._pgs = [None] * s.dp
+    eng.launches = []  # (dp, its new LocalRanks) per restart; `eng.on_launch(dp, ranks)` may inject faults
+    eng.on_launch = None
+
+    async def launch(dp: int) -> ranks.Launched:
+        workers = [make_rank(s, r) for r in range(dp * s.tp, (dp + 1) * s.tp)]
+        local = [LocalRank(w) for w in workers]
+        eng.launches.append((dp, local))
+        if eng.on_launch is not None:
+            eng.on_launch(dp, local)
+        eng.rank_workers[dp * s.tp:(dp + 1) * s.tp] = workers
+        return ranks.Launched(None, local, [{"layout": w.layout} for w in workers])
+
+    eng._launch = launch
     eng.transport = make_transport("actor_calls", eng.workers)  # LocalRank answers step.remote like an actor
+    eng._stop = lambda workers, pgs: None
     eng.max_request_tokens = min(longest_request(w) for w in eng.rank_workers)
     eng.vocab_size = eng.rank_workers[0].model.config.vocab_size
     eng._loop_task = asyncio.get_running_loop().create_task(eng._loop())
@@ -71,6 +87,15 @@ async def generate(eng: Engine, prompt: list[int], **params) -> list[int]:
     from workers.sampling import SamplingParams
 
     return [ev.token_id async for ev in eng.generate(None, prompt, SamplingParams(**params))]
+
+
+async def until(cond, what: str = "the condition", turns: int = 100_000) -> None:
+    """Let the loop run (restarts, steps) until `cond()` holds; fail after `turns` loop turns."""
+    for _ in range(turns):
+        if cond():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"{what} never held")
 
 
 async def settled(eng: Engine) -> None:

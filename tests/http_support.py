@@ -13,7 +13,7 @@ import uvicorn
 from deployment.mirror import StatsMirror
 from deployment.routes import create_api
 from deployment.settings import Settings
-from workers.errors import EngineError, RequestError, RequestFailed, check_request
+from workers.errors import EngineError, Overloaded, RequestError, RequestFailed, check_request
 from workers.tokenizer import ByteTokenizer
 
 EOS = ByteTokenizer.eos_token_id
@@ -59,6 +59,10 @@ class FakeEngine:
         reply = list(REPLY.encode())
         done = False
         try:
+            if "BUSY" in prompt:
+                raise Overloaded("300 requests are waiting already (max_waiting_requests); retry later")
+            if "UNAVAILABLE" in prompt:
+                raise EngineError("no dp group is up: group 0: rank 0 is gone", 5.0)
             for i in range(params.max_tokens):
                 if "SLOW" in prompt:
                     await asyncio.sleep(0.05)
@@ -140,23 +144,41 @@ class Server:
     stats: FakeStats
 
 
-@pytest.fixture(scope="module")
-def server():
-    engine, stats = FakeEngine(), FakeStats()
-    engine.on_finish = lambda: stats.add(3, 1)
-    settings = Settings(model="random", dp=2, tp=1, served_model_name="fake-model", max_tokens_default=8)
-    api = create_api(engine, StatsMirror(stats, keepalive_s=0.3), settings)
-    port = _free_port()
-    uv = uvicorn.Server(uvicorn.Config(api, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+def run_uvicorn(api, port: int):
+    """Serve `api` on 127.0.0.1:port in a thread; returns a function that stops it."""
+    # an open SSE stream never finishes by itself: shutting down cuts it after 2 s
+    uv = uvicorn.Server(uvicorn.Config(api, host="127.0.0.1", port=port, log_level="warning", lifespan="off",
+                                       timeout_graceful_shutdown=2))
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
     while not uv.started:
         assert time.monotonic() < deadline, "uvicorn did not start"
         time.sleep(0.02)
+
+    def stop() -> None:
+        uv.should_exit = True
+        thread.join(timeout=10)
+        assert not thread.is_alive(), "uvicorn did not stop"
+    return stop
+
+
+def serve_fake(**settings_overrides):
+    """The routes over a FakeEngine and FakeStats under real uvicorn, until the generator is closed."""
+    engine, stats = FakeEngine(), FakeStats()
+    engine.on_finish = lambda: stats.add(3, 1)
+    settings = Settings(**{**dict(model="random", dp=2, tp=1, served_model_name="fake-model", max_tokens_default=8),
+                           **settings_overrides})
+    api = create_api(engine, StatsMirror(stats, keepalive_s=0.3), settings)
+    port = _free_port()
+    stop = run_uvicorn(api, port)
     yield Server(f"http://127.0.0.1:{port}", engine, stats)
-    uv.should_exit = True
-    thread.join(timeout=10)
+    stop()
+
+
+@pytest.fixture(scope="module")
+def server():
+    yield from serve_fake()
 
 
 @pytest.fixture

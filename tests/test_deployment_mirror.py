@@ -84,3 +84,22 @@ def test_stats_json_is_the_records_and_reads_wait_for_the_first_copy():
         await mirror.close()
 
     asyncio.run(body())
+
+
+def test_a_mirror_whose_follower_died_fails_the_replica_health_check():
+    async def main():
+        up = Upstream()
+        up.records.append({"no_iter": 0})  # a record the follower cannot read: a bug, not an outage
+        m = StatsMirror(up, keepalive_s=0.05)
+        m.check()  # not started: healthy
+        m.start()
+        await asyncio.gather(m._pump, return_exceptions=True)
+        try:
+            m.check()
+        except RuntimeError as e:
+            assert "KeyError" in str(e)
+        else:
+            raise AssertionError("check() passed with a dead follower")
+        await m.close()
+
+    asyncio.run(main())

@@ -9,7 +9,7 @@ import torch
 
 from tests.engine_harness import generate, make_engine, settled
 from workers import worker as worker_module
-from workers.engine import EngineError, RequestError, RequestFailed, first_iteration
+from workers.engine import RequestError, RequestFailed, first_iteration
 from workers.sampling import SamplingParams
 from workers.tokenizer import ByteTokenizer
 
@@ -71,29 +71,6 @@ def test_a_step_that_raises_fails_the_running_requests_only():
             await generate(eng, PROMPT, max_tokens=4, temperature=0.0)
         assert "Traceback" not in str(info.value)
         assert len(await generate(eng, PROMPT, max_tokens=4, temperature=0.0)) == 4
-
-    run(main())
-
-
-def test_a_dead_rank_takes_down_its_group_and_the_other_groups_serve():
-    async def main():
-        eng = await make_engine(dp=2)
-
-        def dead(plan):
-            raise ray.exceptions.ActorDiedError()
-
-        eng.workers[1].fail = dead
-        results = await asyncio.gather(*[generate(eng, PROMPT + [i], max_tokens=4, temperature=0.0)
-                                         for i in range(4)], return_exceptions=True)
-        assert any(isinstance(r, EngineError) and "dp group 1 is down" in str(r) for r in results)
-        health = await eng.health()
-        assert health["ok"] and list(health["down_groups"]) == ["1"]
-        assert len(await generate(eng, PROMPT, max_tokens=4, temperature=0.0)) == 4  # placed on group 0
-        eng.workers[0].fail = dead
-        with pytest.raises(EngineError):
-            await generate(eng, PROMPT, max_tokens=4, temperature=0.0)
-        with pytest.raises(EngineError, match="every dp group is down"):
-            await eng.health()
 
     run(main())
 

@@ -2,8 +2,11 @@
 
 The head and the worker are started with `ray start --block` from the manifest's rayStartParams (head
 `num-cpus: "0"` included), the way KubeRay starts the head and worker pods; then `serve deploy` sends the
-manifest's serveConfigV2, with its GPU settings swapped for CPU ones. The test checks that every rank and the
-ingress replica run on the worker node (the head has no CPUs to give them) and that a completion succeeds.
+manifest's serveConfigV2, with its GPU settings swapped for CPU ones. As on Kubernetes, Ray's token auth is on
+when the manifest's authOptions say so (every node, the CLI and the dashboard calls carry one token), and the
+API keys reach the app through the nodes' environment, as the containers get them from the Secret. The test
+checks that every rank and both Serve replicas run on the worker node (the head has no CPUs to give them),
+that the dashboard refuses a caller without the token, and that a completion succeeds.
 
 Isolation: this cluster must not touch the session `ray_cluster` fixture's cluster or another developer's,
 so `ray stop` (which kills every Ray process of the user) is never used. Each node gets its own --temp-dir (so
@@ -15,6 +18,7 @@ this test's temp dir.
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -85,13 +89,37 @@ def node_ports() -> dict[str, str]:
     return {n: str(free_port()) for n in names}
 
 
-def ray_cli_env() -> dict[str, str]:
-    """Env for this cluster's `ray`/`serve` commands. Token auth is off explicitly: `ray start --head` turns
-    it on when ~/.ray/auth_token exists (any local `ray.init()` writes one) but `ray start --address` does
-    not, so the worker could not join; and RAY_ADDRESS must not point them at another cluster."""
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
+def auth_mode() -> str:
+    return rayservice()["spec"]["rayClusterConfig"].get("authOptions", {}).get("mode", "disabled")
+
+
+def api_keys_supported() -> bool:
+    from deployment.settings import Settings
+
+    return {"api_keys", "metrics_api_key"} <= Settings.model_fields.keys()
+
+
+def ray_cli_env(token: str | None) -> dict[str, str]:
+    """Env for this cluster's `ray`/`serve` commands: the auth mode set explicitly on every one (KubeRay sets
+    RAY_AUTH_MODE and RAY_AUTH_TOKEN in every container), never left to ~/.ray/auth_token, which `ray start
+    --head` would read and `ray start --address` would not; and RAY_ADDRESS must not point them at another
+    cluster."""
+    env = {k: v for k, v in os.environ.items() if k not in {"RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"}}
+    env.update(RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="token" if token else "disabled")
+    if token:
+        env["RAY_AUTH_TOKEN"] = token
     return env
+
+
+def ray_list(kind: str, dashboard: str, env: dict[str, str], *filters: str) -> list[dict[str, Any]]:
+    """`ray list <kind>` in a subprocess: Ray's state API caches its auth token per process, and this test's
+    process must stay free to talk to the session's (unauthenticated) cluster."""
+    args = [str(VENV_BIN / "ray"), "list", kind, "--address", dashboard, "--format", "json", "--limit", "1000"]
+    for f in filters:
+        args += ["--filter", f]
+    out = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout)
 
 
 def procs_naming(needle: str) -> list[int]:
@@ -111,11 +139,11 @@ def procs_naming(needle: str) -> list[int]:
 class LocalRayNode:
     """One `ray start --block` in its own session; stop() ends it and everything it spawned."""
 
-    def __init__(self, name: str, args: list[str], temp_root: str, log_dir: Path) -> None:
+    def __init__(self, name: str, args: list[str], temp_root: str, log_dir: Path, env: dict[str, str]) -> None:
         self.name = name
         self.temp_dir = os.path.join(temp_root, name)
         self.log = log_dir / f"ray-start-{name}.log"
-        env = {**ray_cli_env(), "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+        env = {**env, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
         with self.log.open("w") as log:
             self.proc = subprocess.Popen(
                 [str(VENV_BIN / "ray"), "start", "--block", f"--temp-dir={self.temp_dir}",
@@ -150,6 +178,11 @@ def two_node_cluster(tmp_path: Path) -> Iterator[dict[str, Any]]:
     temp_root = tempfile.mkdtemp(prefix="kvf-k8s-", dir="/tmp")
     gcs_port, dashboard_port = free_port(), free_port()
     dashboard = f"http://127.0.0.1:{dashboard_port}"
+    token = secrets.token_hex(32) if auth_mode() == "token" else None
+    cli_env = ray_cli_env(token)
+    # The containers read both keys from the kvfleet-api-keys Secret; here they are the nodes' environment.
+    keys = {"KVFLEET_API_KEYS": secrets.token_hex(16), "KVFLEET_METRICS_API_KEY": secrets.token_hex(16)}
+    node_env = {**cli_env, **(keys if api_keys_supported() else {})}
     nodes: list[LocalRayNode] = []
     try:
         head_args = ["--head", *ray_start_args(spec["headGroupSpec"]["rayStartParams"], {
@@ -157,29 +190,29 @@ def two_node_cluster(tmp_path: Path) -> Iterator[dict[str, Any]]:
             "dashboard-host": "127.0.0.1", "include-dashboard": "true", "ray-client-server-port": str(free_port()),
             "object-store-memory": str(100 << 20), "resources": json.dumps({"head": 1}),
         })]
-        nodes.append(LocalRayNode("head", head_args, temp_root, tmp_path))
+        nodes.append(LocalRayNode("head", head_args, temp_root, tmp_path, node_env))
         wait_for("the head's GCS", lambda: nodes[0].check_running() or _port_open(gcs_port), 60, 0.5)
 
         worker_args = ray_start_args(worker_group["rayStartParams"], {
             **node_ports(), "address": f"127.0.0.1:{gcs_port}", "num-cpus": str(WORKER_CPUS), "num-gpus": "0",
             "object-store-memory": str(100 << 20), "resources": json.dumps({"worker_node": 1}),
         })
-        nodes.append(LocalRayNode("worker", worker_args, temp_root, tmp_path))
-
-        from ray.util.state import list_nodes
+        nodes.append(LocalRayNode("worker", worker_args, temp_root, tmp_path, node_env))
 
         def both_alive() -> list:
             for n in nodes:
                 n.check_running()
-            alive = [n for n in list_nodes(address=dashboard) if n.state == "ALIVE"]
+            alive = [n for n in ray_list("nodes", dashboard, cli_env) if n["state"] == "ALIVE"]
             return alive if len(alive) == 2 else []
 
         alive = wait_for("both Ray nodes", both_alive, 120)
-        (worker_node,) = [n for n in alive if "worker_node" in n.resources_total]
-        (head_node,) = [n for n in alive if "head" in n.resources_total]
-        assert "CPU" not in head_node.resources_total, "the head must offer no CPUs (num-cpus: 0)"
-        yield {"dashboard": dashboard, "worker_node_id": worker_node.node_id, "head_node_id": head_node.node_id,
-               "logs": tmp_path}
+        (worker_node,) = [n for n in alive if "worker_node" in n["resources_total"]]
+        (head_node,) = [n for n in alive if "head" in n["resources_total"]]
+        assert "CPU" not in head_node["resources_total"], "the head must offer no CPUs (num-cpus: 0)"
+        assert "GPU" not in head_node["resources_total"], "the head must offer no GPUs (num-gpus: 0)"
+        yield {"dashboard": dashboard, "worker_node_id": worker_node["node_id"], "head_node_id": head_node["node_id"],
+               "logs": tmp_path, "cli_env": cli_env, "token": token,
+               "api_key": keys["KVFLEET_API_KEYS"] if api_keys_supported() else None}
     finally:
         for node in reversed(nodes):
             node.stop()
@@ -220,7 +253,6 @@ def local_serve_config(http_port: int) -> dict[str, Any]:
 
 def test_serve_config_runs_ranks_on_the_worker_node(two_node_cluster, tmp_path):
     import httpx
-    from ray.util.state import list_actors
 
     cluster = two_node_cluster
     http_port = free_port()
@@ -232,17 +264,22 @@ def test_serve_config_runs_ranks_on_the_worker_node(two_node_cluster, tmp_path):
 
     deploy = subprocess.run(
         [str(VENV_BIN / "serve"), "deploy", str(config_path), "--address", cluster["dashboard"]],
-        cwd=REPO, env=ray_cli_env(), capture_output=True, text=True, timeout=120,
+        cwd=REPO, env=cluster["cli_env"], capture_output=True, text=True, timeout=120,
     )
     assert deploy.returncode == 0, deploy.stdout + deploy.stderr
 
+    serve_api = f"{cluster['dashboard']}/api/serve/applications/"
+    dashboard_auth = {"Authorization": f"Bearer {cluster['token']}"} if cluster["token"] else {}
+    if cluster["token"]:  # the Jobs/Serve API of the dashboard is closed to callers without the token
+        assert httpx.get(serve_api, timeout=30).status_code in {401, 403}
     base = f"http://127.0.0.1:{http_port}"
     app_name = config["applications"][0]["name"]
-    with httpx.Client(base_url=base, timeout=30) as client:
+    api_auth = {"Authorization": f"Bearer {cluster['api_key']}"} if cluster["api_key"] else {}
+    with httpx.Client(base_url=base, timeout=30, headers=api_auth) as client:
 
         def healthy() -> bool:
             # The dashboard's Serve API says when a deploy failed, so a broken app fails fast.
-            apps = httpx.get(f"{cluster['dashboard']}/api/serve/applications/", timeout=30).json()["applications"]
+            apps = httpx.get(serve_api, headers=dashboard_auth, timeout=30).json()["applications"]
             app = apps.get(app_name, {})
             if app.get("status") == "DEPLOY_FAILED":
                 pytest.fail(f"serve deploy failed: {app.get('message', '')[-4000:]}")
@@ -257,6 +294,8 @@ def test_serve_config_runs_ranks_on_the_worker_node(two_node_cluster, tmp_path):
         body = completion.json()
         assert body["choices"][0]["finish_reason"] in {"stop", "length"}
         assert body["usage"]["completion_tokens"] >= 1
+        if cluster["api_key"]:  # the keys from the nodes' environment reached the app, wherever Serve built it
+            assert httpx.get(f"{base}/v1/models", timeout=30).status_code in {401, 403}
 
         # Every rank reported, and the cluster record covers them all.
         ranks = wait_for("/stats/ranks to list every rank",
@@ -265,10 +304,10 @@ def test_serve_config_runs_ranks_on_the_worker_node(two_node_cluster, tmp_path):
         records = wait_for("a cluster record in /stats", lambda: client.get("/stats").json(), 60)
         assert records[-1]["numRanks"] == world_size
 
-    # Placement: every rank actor and the ingress replica live on the worker node.
-    actors = list_actors(address=cluster["dashboard"], filters=[("state", "=", "ALIVE")], limit=1000)
-    rank_nodes = [a.node_id for a in actors if a.class_name == "RankWorker"]
-    assert len(rank_nodes) == world_size, [a.class_name for a in actors]
+    # Placement: every rank actor and both Serve replicas live on the worker node.
+    actors = ray_list("actors", cluster["dashboard"], cluster["cli_env"], "state=ALIVE")
+    rank_nodes = [a["node_id"] for a in actors if a["class_name"] == "RankWorker"]
+    assert len(rank_nodes) == world_size, [a["class_name"] for a in actors]
     assert set(rank_nodes) == {cluster["worker_node_id"]}
-    replica_nodes = {a.node_id for a in actors if a.class_name.endswith(("KVFleetIngress", "KVFleetEngine"))}
-    assert replica_nodes == {cluster["worker_node_id"]}
+    replicas = [a for a in actors if a["class_name"].endswith(("KVFleetIngress", "KVFleetEngine"))]
+    assert len(replicas) == 2 and {a["node_id"] for a in replicas} == {cluster["worker_node_id"]}

@@ -169,19 +169,40 @@ def test_core_kind_validation_bites():
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     head = rayservice()["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]
     bad = copy.deepcopy(head)
-    bad["spec"]["containers"][0]["readinessProbe"]["periodSecond"] = 5
+    bad["spec"]["containers"][0]["securityContext"]["allowPrivilegeEscalations"] = False
     with pytest.raises(kubernetes_validate.ValidationError):
         k8s_validate(as_pod("bad", bad))
+
+
+CORE_KINDS = {"Service", "PersistentVolumeClaim", "Deployment", "NetworkPolicy", "PodDisruptionBudget"}
+
+
+def test_core_kinds_validate():
+    """Redis, the NetworkPolicies and the PodDisruptionBudget pass their Kubernetes schemas (strict)."""
+    docs = [d for _, d in manifest_docs() if d["kind"] in CORE_KINDS]
+    assert {d["kind"] for d in docs} == CORE_KINDS
+    for doc in docs:
+        k8s_validate(doc)
 
 
 # --- what the manifests must say -------------------------------------------------------------------------
 
 
-def test_head_runs_no_ranks_and_exposes_serve_and_dashboard():
+def plain_env(container: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+
+
+def test_head_runs_no_ranks_and_no_gpu_work_and_exposes_serve_and_dashboard():
+    """The head offers Ray no CPUs and no GPUs, and sees no GPU device even on a GPU node whose container
+    runtime would hand a CUDA image every GPU (NVIDIA_VISIBLE_DEVICES=void)."""
     for name, spec in cluster_specs():
         head = spec["headGroupSpec"]
         assert head["rayStartParams"]["num-cpus"] == "0", name
-        ports = {p["containerPort"] for p in head["template"]["spec"]["containers"][0]["ports"]}
+        assert head["rayStartParams"]["num-gpus"] == "0", name
+        container = head["template"]["spec"]["containers"][0]
+        assert gpu_count(container) == 0, name
+        assert plain_env(container)["NVIDIA_VISIBLE_DEVICES"] == "void", name
+        ports = {p["containerPort"] for p in container["ports"]}
         assert {6379, 8265, 8000} <= ports, name
 
 
@@ -206,17 +227,25 @@ def test_gpu_workers_request_gpus_and_resources():
             assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"], name
 
 
-def test_every_ray_container_has_ray_health_probes():
+# KubeRay 1.7 injects HTTP probes (GET /api/healthz on the dashboard agent port, which checks the raylet and,
+# on the head, the GCS) for rayVersion >= 2.53, and only into a Ray container that has none of its own; a
+# RayService worker's readiness probe also checks its Serve proxy (/-/healthz on the serve port).
+KUBERAY_HTTP_PROBES_SINCE = (2, 53)
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in version.split(".")[:2])
+
+
+def test_ray_containers_leave_probes_to_kuberay():
     for name, spec in cluster_specs():
+        assert version_tuple(spec["rayVersion"]) >= KUBERAY_HTTP_PROBES_SINCE, name
         for group, container in ray_containers(spec):
-            for probe in ("readinessProbe", "livenessProbe"):
-                command = " ".join(container[probe]["exec"]["command"])
-                assert "52365/api/local_raylet_healthz" in command, (name, group, probe)
-                if group == "head":
-                    assert "8265/api/gcs_healthz" in command, (name, group, probe)
-    workers = ray_containers(rayservice()["spec"]["rayClusterConfig"])[1:]
-    for group, container in workers:  # RayService workers: out of the serve service until the proxy answers
-        assert "8000/-/healthz" in " ".join(container["readinessProbe"]["exec"]["command"]), group
+            for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+                assert probe not in container, f"{name} {group}: a hand-written {probe} replaces KubeRay's"
+        # KubeRay's readiness probe of a RayService worker looks for the Serve proxy on the port named serve.
+        for group, container in ray_containers(spec)[1:]:
+            assert {"name": "serve", "containerPort": 8000} in container["ports"], (name, group)
 
 
 def test_one_image_and_ray_version_everywhere():
@@ -225,8 +254,8 @@ def test_one_image_and_ray_version_everywhere():
     dockerfile = (K8S / "Dockerfile").read_text()
     (ray_version,) = re.findall(r"^ARG RAY_VERSION=(\S+)$", dockerfile, re.M)
     assert ray_version == ray.__version__
-    assert "FROM rayproject/ray:${RAY_VERSION}-${PYTHON_TAG}-gpu" in dockerfile
-    (tag,) = set(re.findall(r"docker build -f k8s/Dockerfile -t (\S+) \.", dockerfile))
+    assert "FROM rayproject/ray:${RAY_VERSION}-${PYTHON_TAG}-gpu@${RAY_IMAGE_DIGEST}" in dockerfile
+    (tag,) = set(re.findall(r"-t (\S+) \.$", dockerfile, re.M))
     for name, spec in cluster_specs():
         assert spec["rayVersion"] == ray_version, name
         for group, container in ray_containers(spec):
@@ -279,7 +308,7 @@ def test_raycluster_env_matches_the_rayservice_settings():
     """The interactive cluster runs the same engine: its containers' KVFLEET_* env is the RayService's."""
     (_, cluster), = docs_of_kind("RayCluster")
     for group, container in ray_containers(cluster["spec"]):
-        env = {e["name"]: e["value"] for e in container["env"] if e["name"].startswith("KVFLEET_")}
+        env = {k: v for k, v in plain_env(container).items() if k.startswith("KVFLEET_")}
         assert env == kvfleet_env(serve_config()), group
 
 

@@ -6,6 +6,13 @@ steps with its group's plan (an idle group steps with an empty plan, so every ra
 and the aggregator can close it). When no group has anything to do the engine does not step at all.
 Iterations are numbered globally and continue after the aggregator's last emitted iteration, so a restarted
 engine never reuses an iteration number.
+
+Failures: a rank whose step call fails because the actor is gone takes its dp group down (the others keep
+stepping). The group's requests are re-queued at once, on a group that is up when there is one, and prefill
+again from prompt + tokens generated so far (a seeded sampler draws on where it was), so their streams go on
+with no gap and no repeat. The group is restarted as new actors after a backoff (workers/ranks.py) and back in
+service when every rank is set up and warmed up; `max_group_restarts` failures in a row and it stays down.
+A request that no group can take waits up to `placement_timeout_s`, then gets EngineError (503).
 """
 
 from __future__ import annotations
@@ -21,18 +28,17 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import ray
-
 from aggregator.delta import Iteration
 
 from . import ranks
-from .errors import EngineError, RequestError, RequestFailed, check_request, one_line
+from .errors import EngineError, Overloaded, RequestError, RequestFailed, check_request, one_line
 from .loader import check_model, load_tokenizer
+from .recovery import Orphans, restart_group
 from .sampling import SamplingParams
 from .scheduler import Group, Request, plan_group
 from .stats_channel import StatsChannel
 from .transport import Transport, make_transport
-from .worker import NewRequest, StepPlan, StepResult, Work
+from .worker import StepPlan, StepResult
 
 log = logging.getLogger("kvfleet.engine")
 
@@ -48,17 +54,8 @@ class TokenEvent:
     finish_reason: str | None = None  # "stop" | "length" | None
 
 
-@dataclass
-class _StepFailure:
-    """A rank's step raised: `rank_gone` when the actor itself is dead or unreachable."""
-
-    rank: int
-    error: BaseException
-
-    @property
-    def rank_gone(self) -> bool:
-        return isinstance(self.error, ray.exceptions.RayActorError)
-
+# Retry-After of a request refused because no dp group is up (a restart takes seconds on CPU)
+RETRY_AFTER_DOWN_S = 5.0
 
 # A step in which no request ran (every scheduled one found no room) is retried after this pause, doubling up
 # to the maximum, or as soon as something changes (a request arrives, finishes or is aborted): never a busy loop.
@@ -79,8 +76,8 @@ class Engine:
         self.vocab_size = 0
         self.aggregator = None
         self.stats: StatsChannel | None = None
-        self.workers: list = []
-        self.transport: Transport | None = None
+        self.workers: list = []  # per rank: its actor, or None while its group is down
+        self.transport: Transport | None = None  # how the ranks are stepped (workers/transport.py)
         self.rank_info: list[dict] = []
         self.iteration = 0
         self.steps = 0
@@ -89,6 +86,10 @@ class Engine:
         self._pgs: list = []
         self._groups = [Group() for _ in range(settings.dp)]
         self._requests: dict[str, Request] = {}
+        self._orphans = Orphans(settings.placement_timeout_s, self._expired)  # while no dp group is up
+        self._restarting: dict[int, asyncio.Task] = {}
+        self._closing = False
+        self._device = self._dtype = ""
         self._wake = asyncio.Event()  # set while there may be work; cleared only when no group has any
         self._changed = asyncio.Event()  # a request arrived, finished or left since the last step began
         self._loop_task: asyncio.Task | None = None
@@ -100,9 +101,11 @@ class Engine:
         from aggregator import get_or_create_aggregator
 
         s = self.settings
-        device = ranks.device_of(s)
-        dtype = ranks.dtype_of(s, device)
-        self.aggregator = get_or_create_aggregator(s.engine_id, self.world_size, s.tp, s.stats_buffer_size)
+        device = self._device = ranks.device_of(s)
+        dtype = self._dtype = ranks.dtype_of(s, device)
+        # detached: the aggregator (and the cluster's cumulative statistics) outlive this engine's replica
+        self.aggregator = get_or_create_aggregator(s.engine_id, self.world_size, s.tp, s.stats_buffer_size,
+                                                   lifetime="detached")
         health = await self.aggregator.health.remote()
         if (health["world_size"], health["tp"]) != (self.world_size, s.tp):
             raise EngineError(
@@ -110,45 +113,42 @@ class Engine:
                 f"{health['world_size']} and tp {health['tp']}, but this engine has {self.world_size} ranks "
                 f"(tp {s.tp}): use another engine_id, or stop the old engine first")
         self.iteration = first_iteration(health.get("last_iter"))
-        for dp in range(s.dp):
-            pg, workers = await ranks.start_group(s, dp, device, dtype)
-            self._pgs.append(pg)
-            self.workers += workers
-        groups = [self.workers[dp * s.tp:(dp + 1) * s.tp] for dp in range(s.dp)]
-        self.rank_info = [info for group in await asyncio.gather(*map(ranks.setup_group, groups)) for info in group]
+        ranks.remove_leftovers(s.engine_id)  # what a previous engine of this id left (its replica died)
+        launched = await asyncio.gather(*[self._launch(dp) for dp in range(s.dp)], return_exceptions=True)
+        for group in launched:
+            if not isinstance(group, BaseException):
+                self._pgs.append(group.pg)
+                self.workers += group.workers
+        failed = next((g for g in launched if isinstance(g, BaseException)), None)
+        if failed is not None:
+            raise failed
+        self.rank_info = [info for group in launched for info in group.infos]
         self.max_request_tokens = min(info["max_request_tokens"] for info in self.rank_info)
         self.vocab_size = self.rank_info[0]["vocab_size"]
         self.transport = make_transport(s.step_transport, self.workers)
         if s.enable_stats:
             self.stats = StatsChannel(self.aggregator)
             await self.stats.register([info["layout"] for info in self.rank_info])
-        await self._warm_up()
+        await asyncio.gather(*[ranks.warm_up(group.workers) for group in launched])
         self._loop_task = asyncio.get_running_loop().create_task(self._loop())
         log.info("engine %s: %d ranks on %s (%s), iterations from %d, requests up to %d tokens", s.engine_id,
                  self.world_size, device, dtype, self.iteration, self.max_request_tokens)
 
-    async def _warm_up(self) -> None:
-        """A few excluded steps per dp group (first-call costs), recorded nowhere."""
-        params = SamplingParams(max_tokens=2, temperature=0.0)
-        prompt = list(range(1, 9))
-        new = [NewRequest(f"warmup-{dp}", prompt, params, None, warmup=True) for dp in range(self.settings.dp)]
-        plans = [StepPlan(-1, [new[dp]], [Work(new[dp].request_id, len(prompt))], record=False)
-                 for dp in range(self.settings.dp)]
-        results = await self._warm_up_step(plans)
-        plans = [StepPlan(-1, [], [Work(new[dp].request_id, 1, results[dp].ran[new[dp].request_id][1])],
-                          record=False) for dp in range(self.settings.dp)]
-        await self._warm_up_step(plans)
-        await self._warm_up_step([StepPlan(-1, close=[n.request_id], record=False) for n in new])
+    async def _launch(self, dp: int) -> ranks.Launched:
+        """Start and set up dp group `dp` (tests replace this and `_stop` with in-process ranks)."""
+        return await ranks.launch_group(self.settings, dp, self._device, self._dtype)
 
-    async def _warm_up_step(self, plans: list[StepPlan]) -> list[StepResult]:
-        results, _, _ = await self._step_all(plans)
-        for res in results:
-            if isinstance(res, _StepFailure) or res.failed:
-                why = one_line(res.error) if isinstance(res, _StepFailure) else next(iter(res.failed.values()))
-                raise EngineError(f"warm-up step failed: {why}")
-        return results
+    def _stop(self, workers: list, pgs: list) -> None:
+        ranks.stop(workers, pgs)
 
     async def shutdown(self) -> None:
+        """Stop stepping, fail what is left (Serve has drained the replica's requests before this), remove
+        every rank actor and placement group. The detached aggregator stays: a next engine of this id goes on
+        with its statistics."""
+        self._closing = True
+        for task in list(self._restarting.values()):
+            task.cancel()
+        await asyncio.gather(*self._restarting.values(), return_exceptions=True)
         if self._loop_task is not None:
             self._loop_task.cancel()
             try:
@@ -162,7 +162,7 @@ class Engine:
             await self.stats.close()
         if self.transport is not None:
             await self.transport.close()
-        ranks.stop(self.workers, self._pgs)
+        self._stop(self.workers, self._pgs)
         self.workers, self._pgs = [], []
 
     # ---- requests ----------------------------------------------------------------------------------------------
@@ -179,39 +179,53 @@ class Engine:
     async def generate(self, request_id: str | None, prompt_token_ids: list[int], params: SamplingParams,
                        cache_salt: str | None = None) -> AsyncIterator[TokenEvent]:
         """Stream a request's tokens; closing the iterator (the client went away) aborts it."""
+        req = self.submit(request_id, prompt_token_ids, params, cache_salt)
+        try:
+            async for ev in self.stream(req):
+                yield ev
+        finally:
+            self.abort(req.id)  # a no-op once it finished
+
+    def submit(self, request_id: str | None, prompt_token_ids: list[int], params: SamplingParams,
+               cache_salt: str | None = None) -> Request:
+        """Admit a request, or refuse it at once: RequestError (bad input), Overloaded (the waiting queue is
+        full), EngineError (no dp group can ever take it, or shutting down)."""
         if self.error:
-            raise EngineError(self.error)
+            raise EngineError(self.error, RETRY_AFTER_DOWN_S)
+        if self._closing:
+            raise EngineError("the engine is shutting down")
         self.validate(prompt_token_ids, params)
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._requests:
             raise RequestError(f"request id {rid!r} is already running", "duplicate_request_id")
+        waiting = len(self._orphans) + sum(len(g.waiting) for g in self._groups)
+        if waiting >= self.settings.max_waiting_requests:
+            raise Overloaded(f"{waiting} requests are waiting already (max_waiting_requests); retry later")
         if params.seed is None and not params.greedy:  # one seed for every tp rank of the group
             params = dataclasses.replace(params, seed=random.getrandbits(63))
-        up = [dp for dp, g in enumerate(self._groups) if g.down is None]
-        if not up:
-            raise EngineError("every dp group is down")
         req = Request(rid, list(prompt_token_ids), params, cache_salt, params.max_tokens)
-        req.dp = min(up, key=lambda dp: self._groups[dp].load)
-        self._groups[req.dp].waiting.append(req)
+        self._place(req)
         self._requests[rid] = req
-        self._poke()
-        try:
-            while True:
-                ev = await req.queue.get()
-                if isinstance(ev, BaseException):
-                    raise ev
-                yield ev
-                if ev.finish_reason is not None:
-                    return
-        finally:
-            if not req.done:
-                self.abort(rid)
+        return req
+
+    async def stream(self, req: Request) -> AsyncIterator[TokenEvent]:
+        """The tokens of a submitted request (the caller aborts it if it leaves early, as `generate` does)."""
+        while True:
+            ev = await req.queue.get()
+            if isinstance(ev, BaseException):
+                raise ev
+            yield ev
+            if ev.finish_reason is not None:
+                return
 
     def abort(self, request_id: str) -> None:
         req = self._requests.pop(request_id, None)
         if req is None or req.done:
             return
         req.done = True
+        self._orphans.remove(req)
+        if req.dp < 0:
+            return
         group = self._groups[req.dp]
         if req in group.waiting:
             group.waiting.remove(req)
@@ -222,12 +236,42 @@ class Engine:
         log.info("request %s aborted after %d tokens", request_id, len(req.generated))
 
     async def health(self) -> dict[str, Any]:
+        """The engine's state; raises EngineError (an HTTP 503) while no dp group serves."""
         if self.error:
-            raise EngineError(self.error)
+            raise EngineError(self.error, RETRY_AFTER_DOWN_S)
+        down = {str(dp): g.down for dp, g in enumerate(self._groups) if g.down is not None}
+        if len(down) == len(self._groups):
+            raise EngineError("no dp group is up: " + "; ".join(f"group {dp}: {why}" for dp, why in down.items()),
+                              RETRY_AFTER_DOWN_S)
+        groups = {str(dp): {"up": g.down is None, "down": g.down, "failures": g.failures, "restarts": g.restarts,
+                            "restarting": dp in self._restarting, "stays_down": g.stays_down}
+                  for dp, g in enumerate(self._groups)}
         return {"ok": True, "ranks": self.world_size, "iteration": self.iteration, "steps": self.steps,
                 "running": sum(len(g.running) for g in self._groups),
-                "waiting": sum(len(g.waiting) for g in self._groups),
-                "down_groups": {str(dp): g.down for dp, g in enumerate(self._groups) if g.down is not None}}
+                "waiting": len(self._orphans) + sum(len(g.waiting) for g in self._groups),
+                "down_groups": down, "groups": groups}
+
+    # ---- placement ---------------------------------------------------------------------------------------------
+    def _place(self, req: Request, front: bool = False) -> None:
+        """Queue a request on the least-loaded dp group that is up; while none is, it waits (an orphan) until
+        a restarted group takes it or its placement deadline fails it. Re-queued requests go `front`."""
+        up = [dp for dp, g in enumerate(self._groups) if g.down is None]
+        if up:
+            req.dp = min(up, key=lambda dp: self._groups[dp].load)
+            waiting = self._groups[req.dp].waiting
+            waiting.appendleft(req) if front else waiting.append(req)
+            self._poke()
+            return
+        if all(g.stays_down for g in self._groups):
+            raise EngineError("every dp group is down", RETRY_AFTER_DOWN_S)
+        self._orphans.add(req)
+
+    def _expired(self, req: Request) -> None:
+        req.done = True
+        self._requests.pop(req.id, None)
+        req.queue.put_nowait(EngineError(
+            f"no dp group could take the request within placement_timeout_s "
+            f"({self.settings.placement_timeout_s:g} s): every group is down or restarting", RETRY_AFTER_DOWN_S))
 
     # ---- the step loop -----------------------------------------------------------------------------------------
     def _poke(self) -> None:
@@ -246,11 +290,12 @@ class Engine:
                 if p is not None:
                     p.iteration = self.iteration
             self._changed.clear()
-            results, deltas, missing = await self._step_all(plans)
+            results, deltas, missing = await ranks.step_all(self.transport, len(self.workers), plans,
+                                                            self.settings.tp)
             self._completed = 0
             progress = False
             for dp, res in enumerate(results):
-                if isinstance(res, _StepFailure):
+                if isinstance(res, ranks.StepFailure):
                     self._group_failed(dp, res)
                     progress = True
                 elif res is not None:
@@ -279,33 +324,10 @@ class Engine:
                 "numNewActiveRequests": sum(len(p.new) for p in plans if p is not None),
                 "maxNumActiveRequests": up * self.settings.max_num_seqs}
 
-    async def _step_all(self, plans: list[StepPlan | None]) -> tuple[list, list, tuple[int, ...]]:
-        """Step every rank of each group that has a plan. Per group: tp rank 0's result (with every tp rank's
-        failed requests), or the failure of a rank whose step raised (a dead rank first), or None; then every
-        rank's stats delta, and the ranks that gave none (not stepped, or failed)."""
-        tp = self.settings.tp
-        ranks = [rank for rank in range(len(self.workers)) if plans[rank // tp] is not None]
-        stepped = await self.transport.step([plans[r // tp] for r in range(len(self.workers))])
-        outs = [stepped[r] for r in ranks]
-        results: list = [None] * len(plans)
-        deltas = [out.delta for out in outs if isinstance(out, StepResult) and out.delta is not None]
-        reported = {d.rank for d in deltas}
-        missing = tuple(r for r in range(len(self.workers)) if r not in reported)
-        for rank, out in zip(ranks, outs, strict=True):
-            dp, cur = rank // tp, results[rank // tp]
-            if isinstance(out, BaseException):
-                fail = _StepFailure(rank, out)
-                if not isinstance(cur, _StepFailure) or (fail.rank_gone and not cur.rank_gone):
-                    results[dp] = fail
-            elif cur is None:
-                results[dp] = out
-            elif isinstance(cur, StepResult):
-                cur.failed.update(out.failed)
-        return results, deltas, missing
-
-    def _group_failed(self, dp: int, failure: _StepFailure) -> None:
-        """A dead rank takes its dp group down (the others go on); any other step error fails the group's
-        running requests, which are closed on every rank, and the group steps on."""
+    def _group_failed(self, dp: int, failure: ranks.StepFailure) -> None:
+        """A dead rank takes its dp group down (the others go on): its requests are re-queued and the group
+        is restarted. Any other step error fails the group's running requests, which are closed on every
+        rank, and the group steps on."""
         g = self._groups[dp]
         why = one_line(failure.error)
         if not failure.rank_gone:
@@ -315,19 +337,67 @@ class Engine:
                 self._finish_failed(g, req, RequestFailed(f"generation failed: {why}"))
             return
         g.down = f"rank {failure.rank} is gone ({type(failure.error).__name__})"
-        log.error("dp group %d is down: %s", dp, g.down)
-        error = EngineError(f"dp group {dp} is down: {g.down}")
-        for req in list(g.waiting) + list(g.running):
-            req.done = True
-            self._requests.pop(req.id, None)
-            req.queue.put_nowait(error)
+        g.failures += 1
+        moved = list(g.running) + list(g.waiting)
         g.waiting.clear()
         g.running.clear()
         g.to_close.clear()
-        if all(other.down for other in self._groups):
+        self._retire(dp)
+        log.error("dp group %d is down: %s; re-queueing %d requests", dp, g.down, len(moved))
+        if g.failures > self.settings.max_group_restarts:
+            self._stays_down(dp)
+        else:
+            self._restarting[dp] = asyncio.get_running_loop().create_task(self._restart(dp))
+        for req in reversed(moved):  # oldest first, ahead of what was waiting there
+            req.requeue()
+            try:
+                self._place(req, front=True)
+            except EngineError as e:
+                self._finish_failed(g, req, e)
+
+    def _retire(self, dp: int) -> None:
+        """Kill what is left of a down group's ranks and remove its placement group."""
+        tp = self.settings.tp
+        self._stop(self.workers[dp * tp:(dp + 1) * tp], [self._pgs[dp]] if dp < len(self._pgs) else [])
+        self.workers[dp * tp:(dp + 1) * tp] = [None] * tp
+        if self.transport is not None:
+            self.transport.replace(self.workers)
+
+    def _stays_down(self, dp: int) -> None:
+        g = self._groups[dp]
+        g.stays_down = True
+        g.down = f"{g.down}; stays down after {g.failures} failures in a row"
+        log.error("dp group %d stays down: %s", dp, g.down)
+        if all(other.stays_down for other in self._groups):
             self.error = "every dp group is down: " + "; ".join(
                 f"group {i}: {other.down}" for i, other in enumerate(self._groups))
-            self._fail_all(EngineError(self.error))
+            self._fail_all(EngineError(self.error, RETRY_AFTER_DOWN_S))
+
+    async def _restart(self, dp: int) -> None:
+        """Bring a down group back (workers/recovery.py), then into service; or it stays down."""
+        g, tp = self._groups[dp], self.settings.tp
+        try:
+            launched = await restart_group(dp, g, self.settings, self._launch, self._prepare, self._stop)
+        finally:
+            self._restarting.pop(dp, None)
+        if launched is None:
+            self._stays_down(dp)
+            return
+        self.workers[dp * tp:(dp + 1) * tp] = launched.workers
+        self.transport.replace(self.workers)
+        self._pgs[dp] = launched.pg
+        g.down = None
+        g.restarts += 1
+        log.info("dp group %d back in service (restart %d)", dp, g.restarts)
+        for req in self._orphans.take_all():
+            self._place(req)
+        self._poke()
+
+    async def _prepare(self, launched: ranks.Launched) -> None:
+        """A restarted group before it serves: warmed up, its new incarnations registered for statistics."""
+        await ranks.warm_up(launched.workers)
+        if self.stats is not None:
+            await self.stats.register([info["layout"] for info in launched.infos])
 
     def _finish_failed(self, g: Group, req: Request, error: BaseException) -> None:
         req.done = True
@@ -340,6 +410,8 @@ class Engine:
 
     def _apply(self, g: Group, res: StepResult) -> None:
         eos = self.tokenizer.eos_token_ids  # any of them stops a request (Llama-3 has two, SmolLM2 has two)
+        if res.ran:
+            g.failures = 0  # it serves again: failures "in a row" start over
         for rid, why in res.failed.items():
             req = self._requests.get(rid)
             if req is not None and not req.done:
@@ -382,6 +454,7 @@ class Engine:
         for req in list(self._requests.values()):
             req.done = True
             req.queue.put_nowait(error)
+        self._orphans.take_all()
         self._requests.clear()
         for g in self._groups:
             g.waiting.clear()

@@ -14,7 +14,19 @@ class RequestError(ValueError):
 
 
 class EngineError(RuntimeError):
-    """The engine cannot serve (a rank died, or it is shutting down)."""
+    """The engine cannot serve now (an HTTP 503): no dp group is up, or it is shutting down. `retry_after_s`
+    is when a client may try again (the Retry-After header)."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def __reduce__(self):  # keep retry_after_s across Ray (the engine replica -> the ingress)
+        return type(self), (str(self), self.retry_after_s)
+
+
+class Overloaded(EngineError):
+    """The engine's waiting queue is full (an HTTP 429): nothing else is affected."""
 
 
 class RequestFailed(RuntimeError):

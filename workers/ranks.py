@@ -1,24 +1,94 @@
 """An engine's rank actors: one placement group per dp group, one `RankWorker` actor per rank in it.
 
-A dp group is the unit that starts, rendezvous and stops together: its tp ranks are packed on one node
-(`STRICT_PACK`), the tp rendezvous runs on tp rank 0's address, and what one group does never waits for
-another's.
+A dp group is the unit that starts, rendezvous, stops and restarts together: its tp ranks are packed on one
+node (`STRICT_PACK`), the tp rendezvous runs on tp rank 0's address, and what one group does never waits for
+another's. A restarted group gets a new placement group and new actors (new incarnations): Ray's own actor
+restart (`max_restarts`) cannot help, because a restarted rank would come back without its tp group and
+without the model, and its peers would still hold the dead rendezvous.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from .config import CacheSettings
-from .worker import RankSpec, RankWorker
+from .errors import EngineError, one_line
+from .sampling import SamplingParams
+from .worker import NewRequest, RankSpec, RankWorker, StepPlan, StepResult, Work
+
+log = logging.getLogger("kvfleet.engine")
 
 SETUP_TIMEOUT_S = 600.0
+BACKOFF_MAX_S = 30.0
+
+
+@dataclass
+class Launched:
+    """A dp group that is up: its placement group, its rank actors (tp rank order) and what their setup said."""
+
+    pg: Any
+    workers: list
+    infos: list[dict[str, Any]]
+
+
+@dataclass
+class StepFailure:
+    """A rank's step raised: `rank_gone` when the actor itself is dead or unreachable."""
+
+    rank: int
+    error: BaseException
+
+    @property
+    def rank_gone(self) -> bool:
+        return isinstance(self.error, ray.exceptions.RayActorError)
+
+
+async def step_all(transport: Any, world_size: int, plans: list[StepPlan | None],
+                   tp: int) -> tuple[list, list, tuple[int, ...]]:
+    """Step every rank of each dp group that has a plan, with its group's plan, through `transport`
+    (workers/transport.py). Per group: tp rank 0's result (with every tp rank's failed requests), or the
+    failure of a rank whose step raised (a dead rank first), or None; then every rank's stats delta, and the
+    ranks that gave none (not stepped, or failed)."""
+    stepped = [rank for rank in range(world_size) if plans[rank // tp] is not None]
+    answers = await transport.step([plans[r // tp] for r in range(world_size)])
+    outs = [answers[r] for r in stepped]
+    results: list = [None] * len(plans)
+    deltas = [out.delta for out in outs if isinstance(out, StepResult) and out.delta is not None]
+    reported = {d.rank for d in deltas}
+    missing = tuple(r for r in range(world_size) if r not in reported)
+    for rank, out in zip(stepped, outs, strict=True):
+        dp, cur = rank // tp, results[rank // tp]
+        if isinstance(out, BaseException):
+            fail = StepFailure(rank, out)
+            if not isinstance(cur, StepFailure) or (fail.rank_gone and not cur.rank_gone):
+                results[dp] = fail
+        elif cur is None:
+            results[dp] = out
+        elif isinstance(cur, StepResult):
+            cur.failed.update(out.failed)
+    return results, deltas, missing
+
+
+def pg_name(engine_id: str, dp: int) -> str:
+    return f"kvfleet-{engine_id}-dp{dp}"
+
+
+def rank_name_prefix(engine_id: str) -> str:
+    return f"kvfleet-rank-{engine_id}-"
+
+
+def backoff_s(failures: int, first_s: float) -> float:
+    """The pause before restart attempt `failures` (1, 2, ...) of a group: first_s, doubling, at most 30 s."""
+    return min(BACKOFF_MAX_S, first_s * 2 ** max(0, failures - 1))
 
 
 def device_of(settings: Any) -> str:
@@ -35,11 +105,12 @@ async def start_group(settings: Any, dp: int, device: str, dtype: str) -> tuple[
     """The placement group and the (not yet set up) rank actors of dp group `dp`."""
     s = settings
     bundle = {"CPU": s.num_cpus_per_rank, **({"GPU": 1} if device == "cuda" else {})}
-    pg = placement_group([bundle] * s.tp, strategy="STRICT_PACK", name=f"kvfleet-{s.engine_id}-dp{dp}")
+    pg = placement_group([bundle] * s.tp, strategy="STRICT_PACK", name=pg_name(s.engine_id, dp))
     await asyncio.wait_for(pg.ready(), SETUP_TIMEOUT_S)
     actor_cls = ray.remote(RankWorker)
     cache = CacheSettings.of(s)
     workers = []
+    launch = uuid.uuid4().hex[:8]  # names stay unique while a killed predecessor's name is being released
     for tp_rank in range(s.tp):
         rank = dp * s.tp + tp_rank
         spec = RankSpec(
@@ -48,7 +119,7 @@ async def start_group(settings: Any, dp: int, device: str, dtype: str) -> tuple[
             num_threads=max(1, int(s.num_cpus_per_rank)))
         strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=tp_rank)
         workers.append(actor_cls.options(
-            name=f"kvfleet-rank-{s.engine_id}-{rank}", num_cpus=s.num_cpus_per_rank,
+            name=f"{rank_name_prefix(s.engine_id)}{rank}-{launch}", num_cpus=s.num_cpus_per_rank,
             num_gpus=1 if device == "cuda" else 0, scheduling_strategy=strategy, max_restarts=0).remote(spec))
     return pg, workers
 
@@ -60,11 +131,69 @@ async def setup_group(workers: list[ray.actor.ActorHandle]) -> list[dict[str, An
     return await asyncio.wait_for(asyncio.gather(*setups), SETUP_TIMEOUT_S)
 
 
+async def launch_group(settings: Any, dp: int, device: str, dtype: str) -> Launched:
+    """Start dp group `dp` and set it up; on any failure, what was started is removed again."""
+    pg, workers = await start_group(settings, dp, device, dtype)
+    try:
+        infos = await setup_group(workers)
+    except BaseException:
+        stop(workers, [pg])
+        raise
+    return Launched(pg, workers, infos)
+
+
+async def warm_up(workers: list) -> None:
+    """A few steps of one group that no statistic records (first-call costs): before a group first serves."""
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    prompt = list(range(1, 9))
+    new = NewRequest("warmup", prompt, params, None, warmup=True)
+    res = await _warm_up_step(workers, StepPlan(-1, [new], [Work(new.request_id, len(prompt))], record=False))
+    token = res.ran[new.request_id][1]
+    await _warm_up_step(workers, StepPlan(-1, [], [Work(new.request_id, 1, token)], record=False))
+    await _warm_up_step(workers, StepPlan(-1, close=[new.request_id], record=False))
+
+
+async def _warm_up_step(workers: list, plan: StepPlan) -> StepResult:
+    outs = await asyncio.gather(*[w.step.remote(plan) for w in workers], return_exceptions=True)
+    for out in outs:
+        if isinstance(out, BaseException) or out.failed:
+            why = one_line(out) if isinstance(out, BaseException) else next(iter(out.failed.values()))
+            raise EngineError(f"warm-up step failed: {why}")
+    return outs[0]
+
+
+def remove_leftovers(engine_id: str) -> int:
+    """Kill the rank actors and remove the placement groups that an engine of this id left behind (its Serve
+    replica died): a new engine starts from a clean slate. Returns how many things it removed."""
+    removed = 0
+    prefix = rank_name_prefix(engine_id)
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["name"].startswith(prefix):
+            with contextlib.suppress(Exception):
+                ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]))
+                removed += 1
+    pg_prefix = pg_name(engine_id, 0)[:-1]
+    for pg_id, info in ray.util.placement_group_table().items():
+        name = info.get("name") or ""
+        if name.startswith(pg_prefix) and name[len(pg_prefix):].isdigit() and info.get("state") != "REMOVED":
+            with contextlib.suppress(Exception):
+                remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+                removed += 1
+    if removed:
+        log.warning("engine %s: removed %d rank actors and placement groups left by a previous engine",
+                    engine_id, removed)
+    return removed
+
+
 def stop(workers: list[ray.actor.ActorHandle], pgs: list[Any]) -> None:
     """Kill rank actors and remove their placement groups (what is already gone is skipped)."""
     for w in workers:
+        if w is None:
+            continue
         with contextlib.suppress(Exception):
             ray.kill(w)
     for pg in pgs:
+        if pg is None:
+            continue
         with contextlib.suppress(Exception):
             remove_placement_group(pg)

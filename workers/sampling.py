@@ -59,11 +59,16 @@ class SamplingParams:
         # below this, logits / temperature overflow to inf and sampling is argmax anyway (as vLLM does)
         return self.temperature < GREEDY_BELOW_TEMPERATURE
 
-    def make_generator(self, device: str | torch.device = "cpu") -> torch.Generator | None:
-        """A generator seeded with `seed` on `device`, or None when the request has no seed."""
+    def make_generator(self, device: str | torch.device = "cpu", draw: int = 0) -> torch.Generator | None:
+        """The generator of the request's `draw`-th token on `device` (None when the request has no seed).
+        Seeded per draw, not one stream per request, so a request re-prefilled on another rank after a fault
+        draws the tokens it would have drawn (draw 0 is seeded with `seed` itself)."""
         if self.seed is None:
             return None
-        return torch.Generator(device=device).manual_seed(self.seed)
+        return torch.Generator(device=device).manual_seed((self.seed + draw * _GOLDEN) % 2**64)
+
+
+_GOLDEN = 0x9E3779B97F4A7C15  # spreads the draws' seeds over the 64-bit space
 
 
 def _is_number(x: object) -> bool:

@@ -32,10 +32,18 @@ class Request:
     done: bool = False
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     warmup: bool = False
+    expiry: Any = None  # while no dp group is up: the timer that fails the request at its placement deadline
 
     @property
     def total(self) -> int:
         return len(self.prompt) + len(self.generated)
+
+    def requeue(self) -> None:
+        """Forget the ranks that held it (their group went down): it prefills again from its prompt and the
+        tokens it already generated, on whatever group takes it."""
+        self.created = False
+        self.known_history = 0
+        self.append = None
 
 
 @dataclass
@@ -43,7 +51,10 @@ class Group:
     waiting: deque = field(default_factory=deque)
     running: list = field(default_factory=list)
     to_close: list = field(default_factory=list)
-    down: str | None = None  # why the group no longer steps (one of its ranks is gone)
+    down: str | None = None  # why the group does not step now (one of its ranks is gone; it may be restarting)
+    failures: int = 0  # deaths and failed restarts since it last ran a request
+    stays_down: bool = False  # failed too often in a row: not restarted again
+    restarts: int = 0
 
     @property
     def load(self) -> int:
@@ -57,7 +68,9 @@ def plan_group(g: Group, iteration: int, s: Any) -> StepPlan:
     g.to_close = []
     while g.waiting and len(g.running) < s.max_num_seqs:
         req = g.waiting.popleft()
-        plan.new.append(NewRequest(req.id, req.prompt, req.params, req.cache_salt))
+        # a re-queued request prefills what it already generated too, and its sampler goes on where it was
+        plan.new.append(NewRequest(req.id, req.prompt + req.generated, req.params, req.cache_salt,
+                                   drawn=len(req.generated)))
         req.created = True
         g.running.append(req)
     budget = s.max_num_batched_tokens

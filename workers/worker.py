@@ -66,6 +66,7 @@ class NewRequest:
     params: SamplingParams
     cache_salt: str | None = None
     warmup: bool = False  # warm-up requests are excluded from every statistic
+    drawn: int = 0  # tokens already sampled (a request re-prefilled on a new group): a seeded sampler goes on
 
 
 @dataclass
@@ -118,17 +119,23 @@ def layout_of(kv: KVCacheManager, spec: RankSpec, incarnation: str) -> RankLayou
 
 
 class _Req:
-    __slots__ = ("id", "tokens", "params", "salt", "generator", "kv", "warmup", "prio")
+    __slots__ = ("id", "tokens", "params", "salt", "drawn", "device", "kv", "warmup", "prio")
 
     def __init__(self, new: NewRequest, device: str) -> None:
         self.id = new.request_id
         self.tokens = list(new.prompt)
         self.params = new.params
         self.salt = new.cache_salt
-        self.generator = new.params.make_generator(device)
+        self.drawn = new.drawn
+        self.device = device
         self.kv = None
         self.warmup = new.warmup
         self.prio = 0
+
+    def generator(self) -> torch.Generator | None:
+        """The generator of the request's next draw (seeded per draw: a rank that takes the request over
+        draws what the first one would have)."""
+        return self.params.make_generator(self.device, self.drawn)
 
 
 class RankWorker:
@@ -236,19 +243,20 @@ class RankWorker:
         done = [i for i, (req, tokens) in enumerate(runs) if req.kv.history_length + len(tokens) == len(req.tokens)]
         if not done:
             return {}
+        sampled = {}
         try:
             toks = sample(torch.stack([logits[i] for i in done]), [runs[i][0].params for i in done],
-                          [runs[i][0].generator for i in done])
-            return dict(zip(done, toks, strict=True))
+                          [runs[i][0].generator() for i in done])
+            sampled = dict(zip(done, toks, strict=True))
         except Exception:
-            pass
-        sampled = {}
-        for i in done:
-            req = runs[i][0]
-            try:
-                sampled[i] = sample(logits[i][None], [req.params], [req.generator])[0]
-            except Exception as e:
-                self._fail(req, e, failed)
+            for i in done:
+                req = runs[i][0]
+                try:
+                    sampled[i] = sample(logits[i][None], [req.params], [req.generator()])[0]
+                except Exception as e:
+                    self._fail(req, e, failed)
+        for i in sampled:
+            runs[i][0].drawn += 1
         return sampled
 
     def _fail(self, req: _Req, error: Exception, failed: dict[str, str]) -> None:

@@ -1,0 +1,159 @@
+"""A dead rank, over in-process ranks (no Ray): its group's requests finish elsewhere with the very tokens of a
+run without the fault, the group is restarted and serves again, or stays down after failing too often; a
+request nobody can take gets its 503 at its deadline; a full waiting queue refuses with 429."""
+
+import asyncio
+
+import pytest
+import ray
+
+from tests.engine_harness import generate, make_engine, until
+from workers.errors import EngineError, Overloaded
+from workers.sampling import SamplingParams
+
+PROMPTS = [list(range(1, 20)) + [i] for i in range(4)]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def dies_after(steps: int, eng=None, dp: int = 1, seen: list | None = None):
+    """A rank fault: the rank's step raises ActorDiedError from its (steps+1)-th call on. With `seen`, records
+    how many tokens each of the group's running requests had when it died."""
+    calls = [0]
+
+    def fail(plan):
+        calls[0] += 1
+        if calls[0] > steps:
+            if seen is not None and not seen:
+                seen.append([len(r.generated) for r in eng._groups[dp].running])
+            raise ray.exceptions.ActorDiedError()
+
+    return fail
+
+
+def always_dead(plan):
+    raise ray.exceptions.ActorDiedError()
+
+
+async def reference(params: dict) -> list[list[int]]:
+    eng = await make_engine(dp=2)
+    return [await generate(eng, p, **params) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("params", [
+    dict(max_tokens=12, temperature=0.0, ignore_eos=True),
+    dict(max_tokens=12, temperature=0.9, top_p=0.9, seed=1234, ignore_eos=True),
+], ids=["greedy", "seeded"])
+def test_a_dead_ranks_requests_finish_elsewhere_with_the_tokens_of_a_run_without_fault(params):
+    async def main():
+        expected = await reference(params)
+        eng = await make_engine(dp=2)
+        seen: list = []
+        eng.workers[1].fail = dies_after(4, eng, 1, seen)
+        got = await asyncio.gather(*[generate(eng, p, **params) for p in PROMPTS])
+        assert seen and any(n > 0 for n in seen[0]), "the group died before generating anything"
+        assert got == expected  # streamed token by token: no gap, no repeat
+        await until(lambda: eng._groups[1].down is None, "the group's return")
+        assert eng._groups[1].restarts == 1 and len(eng.launches) == 1
+        health = await eng.health()
+        assert health["down_groups"] == {} and health["groups"]["1"]["restarts"] == 1
+        again = await asyncio.gather(*[generate(eng, p, **params) for p in PROMPTS])
+        assert again == expected
+        assert eng.rank_workers[1].kv.get_kv_cache_stats().alloc_total_blocks > 0  # the new rank serves
+
+    run(main())
+
+
+def test_a_group_that_keeps_dying_stays_down_and_the_others_serve():
+    async def main():
+        eng = await make_engine(dp=2, max_group_restarts=2)
+        eng.workers[1].fail = always_dead
+
+        def dead_on_arrival(dp, local):
+            for r in local:
+                r.fail = always_dead
+
+        eng.on_launch = dead_on_arrival
+        params = dict(max_tokens=6, temperature=0.0, ignore_eos=True)
+        got = await asyncio.gather(*[generate(eng, p, **params) for p in PROMPTS])
+        assert all(len(t) == 6 for t in got)
+        await until(lambda: eng._groups[1].stays_down, "the group staying down")
+        assert len(eng.launches) == 2 and eng._groups[1].failures == 3  # a death, then two failed restarts
+        health = await eng.health()
+        assert health["ok"] and list(health["down_groups"]) == ["1"]
+        assert "stays down after 3 failures" in health["down_groups"]["1"]
+        assert health["groups"]["1"]["stays_down"] and not health["groups"]["1"]["restarting"]
+        assert len(await generate(eng, PROMPTS[0], **params)) == 6  # group 0 serves on
+        eng.workers[0].fail = always_dead
+        with pytest.raises(EngineError):
+            await generate(eng, PROMPTS[0], **params)
+        await until(lambda: eng.error is not None, "the engine's error")
+        with pytest.raises(EngineError, match="every dp group is down"):
+            await eng.health()
+        with pytest.raises(EngineError, match="every dp group is down"):
+            await generate(eng, PROMPTS[0], **params)
+
+    run(main())
+
+
+def test_with_no_group_up_a_request_waits_for_the_restart_and_completes():
+    async def main():
+        params = dict(max_tokens=10, temperature=0.0, ignore_eos=True)
+        expected = (await reference(params))[:2]
+        eng = await make_engine(dp=1)
+        gate = asyncio.Event()
+        launch = eng._launch
+
+        async def slow_launch(dp):
+            await gate.wait()
+            return await launch(dp)
+
+        eng._launch = slow_launch
+        eng.workers[0].fail = dies_after(3)
+        pending = [asyncio.ensure_future(generate(eng, p, **params)) for p in PROMPTS[:2]]
+        await until(lambda: eng._groups[0].down is not None, "the fault")
+        assert len(eng._orphans) == 2
+        with pytest.raises(EngineError, match="no dp group is up"):
+            await eng.health()
+        late = asyncio.ensure_future(generate(eng, PROMPTS[2], **params))  # arrives during the outage
+        await until(lambda: len(eng._orphans) == 3, "the late request waiting")
+        gate.set()
+        assert await asyncio.gather(*pending) == expected
+        assert len(await late) == 10
+        assert (await eng.health())["groups"]["0"]["restarts"] == 1
+
+    run(main())
+
+
+def test_a_request_no_group_takes_in_time_gets_a_retryable_engine_error():
+    async def main():
+        eng = await make_engine(dp=1, placement_timeout_s=0.05)
+        never = asyncio.Event()
+
+        async def stuck_launch(dp):
+            await never.wait()
+
+        eng._launch = stuck_launch
+        eng.workers[0].fail = always_dead
+        with pytest.raises(EngineError, match="placement_timeout_s") as info:
+            await generate(eng, PROMPTS[0], max_tokens=4, temperature=0.0)
+        assert info.value.retry_after_s >= 1
+        assert not eng._requests and not len(eng._orphans)
+
+    run(main())
+
+
+def test_a_full_waiting_queue_refuses_new_requests_and_serves_the_admitted():
+    async def main():
+        eng = await make_engine(dp=1, max_waiting_requests=2)
+        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        admitted = [eng.submit(None, p, params) for p in PROMPTS[:2]]  # nothing stepped yet: both wait
+        with pytest.raises(Overloaded, match="max_waiting_requests"):
+            eng.submit(None, PROMPTS[2], params)
+        for req in admitted:
+            assert len([ev async for ev in eng.stream(req)]) == 3
+        assert len(await generate(eng, PROMPTS[2], max_tokens=3, temperature=0.0)) == 3  # room again
+
+    run(main())

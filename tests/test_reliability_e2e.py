@@ -1,0 +1,146 @@
+"""Faults on the real Serve app (its own app and engine id, so the shared e2e app is never disturbed): a rank
+killed mid-generation, the engine's replica and an ingress replica killed, and a graceful shutdown that leaves
+no rank or placement group behind. Ordered: the last test deletes the app."""
+
+import concurrent.futures as cf
+import json
+import time
+
+import httpx
+import pytest
+import ray
+
+from tests.e2e_fixtures import start_app
+
+pytestmark = [pytest.mark.ray, pytest.mark.e2e, pytest.mark.slow]
+
+APP = "kvfleet-rel"
+ENGINE_ID = "rel"
+SETTINGS = {"model": "random", "engine_id": ENGINE_ID, "num_cpus_per_rank": "0.5", "max_seq_len": "256",
+            "restart_backoff_s": "0.2"}
+BODY = {"max_tokens": 40, "temperature": 0, "ignore_eos": True}
+PROMPTS = [f"the cache of tenant {i} is warm" for i in range(4)]
+RECOVERY_S = 180
+
+
+@pytest.fixture(scope="module")
+def app(ray_cluster):
+    from ray import serve
+
+    url = start_app(APP, SETTINGS, route_prefix="/rel")
+    yield url
+    if APP in serve.status().applications:
+        serve.delete(APP)
+
+
+def _named(prefix: str) -> list[dict]:
+    return [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
+
+
+def _kill(prefix: str) -> str:
+    actor = _named(prefix)[0]
+    ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
+    return actor["name"]
+
+
+def _complete(url: str, prompt: str, stream: bool) -> str:
+    body = {**BODY, "prompt": prompt, "stream": stream}
+    if not stream:
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+    parts = []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                parts.append(chunk["choices"][0]["text"])
+    return "".join(parts)
+
+
+def _until(what: str, cond, timeout_s: float = RECOVERY_S):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.2)  # poll interval: the app recovers on its own time
+    raise AssertionError(f"{what} did not happen within {timeout_s} s")
+
+
+def _health(url: str) -> dict:
+    return httpx.get(f"{url}/health", timeout=10).json()
+
+
+def test_a_rank_killed_mid_generation_leaves_every_answer_complete(app):
+    expected = [_complete(app, p, stream=False) for p in PROMPTS]
+    with cf.ThreadPoolExecutor(8) as pool:
+        runs = [pool.submit(_complete, app, p, stream) for p in PROMPTS for stream in (False, True)]
+        _until("a request running", lambda: _health(app)["engine"]["running"] >= 2, 60)
+        killed = _kill(f"kvfleet-rank-{ENGINE_ID}-1-")
+        got = [r.result() for r in runs]
+    assert got == [e for e in expected for _ in (0, 1)], killed  # streamed and not: no gap, no repeat
+    _until("group 1 back in service", lambda: _health(app)["engine"]["down_groups"] == {})
+    groups = _health(app)["engine"]["groups"]
+    assert groups["1"]["restarts"] == 1 and groups["1"]["up"]
+    records = httpx.get(f"{app}/stats", timeout=10).json()
+    assert any(r["missingRanks"] == [1] for r in records)
+    assert records[-1]["complete"] or _complete(app, PROMPTS[0], stream=False) == expected[0]
+
+
+def test_the_engine_replica_killed_is_replaced_and_the_counters_go_on(app):
+    before = httpx.get(f"{app}/kv_cache_stats", timeout=10).json()
+    last_iter = httpx.get(f"{app}/stats", timeout=10).json()[-1]["iter"]
+    _kill(f"SERVE_REPLICA::{APP}#KVFleetEngine")
+    statuses = []
+
+    def served() -> bool:
+        r = httpx.post(f"{app}/v1/completions", json={**BODY, "prompt": PROMPTS[1], "max_tokens": 4}, timeout=60)
+        statuses.append(r.status_code)
+        if r.status_code != 200:
+            assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1, r.text
+            assert httpx.get(f"{app}/stats?limit=1", timeout=10).status_code == 200  # statistics still served
+        return r.status_code == 200
+
+    _until("a new engine replica serving", served)
+    after = httpx.get(f"{app}/kv_cache_stats", timeout=10).json()
+    for key in ("allocTotalBlocks", "reusedBlocks", "missedBlocks"):
+        assert after[key] >= before[key], key
+    new = httpx.get(f"{app}/stats?since={last_iter}", timeout=10).json()
+    assert new and new[0]["iter"] > last_iter
+    assert _health(app)["aggregator"]["epoch"] == 1  # the detached aggregator lived through it
+
+
+def test_an_ingress_replica_killed_is_replaced_and_the_engine_goes_on(app):
+    steps = _health(app)["engine"]["steps"]
+    _kill(f"SERVE_REPLICA::{APP}#KVFleetIngress")
+
+    def answers() -> bool:
+        try:
+            return httpx.get(f"{app}/health", timeout=10).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    _until("a new ingress replica", answers)
+    assert _complete(app, PROMPTS[2], stream=True)
+    health = _health(app)["engine"]
+    assert health["steps"] > steps and all(g["restarts"] <= 1 for g in health["groups"].values())
+
+
+def test_a_graceful_shutdown_finishes_in_flight_requests_and_removes_every_rank(app):
+    from ray import serve
+
+    with cf.ThreadPoolExecutor(2) as pool:
+        run = pool.submit(_complete, app, PROMPTS[3], False)
+        _until("the request running", lambda: _health(app)["engine"]["running"] >= 1, 60)
+        t0 = time.monotonic()
+        serve.delete(APP)
+        took = time.monotonic() - t0
+        assert run.result()  # finished, not cut
+    assert took < 60, took
+    assert not _named(f"kvfleet-rank-{ENGINE_ID}-")
+    left = [pg for pg in ray.util.placement_group_table().values()
+            if (pg.get("name") or "").startswith(f"kvfleet-{ENGINE_ID}-dp") and pg["state"] != "REMOVED"]
+    assert not left, left
