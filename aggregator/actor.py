@@ -30,7 +30,7 @@ import ray
 from .assembler import Assembler
 from .buffer import RecordBuffer
 from .delta import Iteration, RankDelta, RankLayout
-from .fields import POOL_VIEW, VIEW_COUNTERS, WINDOW_VIEW
+from .fields import POOL_VIEW, ROUTING_COUNTERS, VIEW_COUNTERS, WINDOW_VIEW
 from .metrics import render_metrics
 
 log = logging.getLogger("kvfleet.aggregator")
@@ -93,6 +93,8 @@ class StatsAggregatorImpl:
             self.asm.cumulative.stats()
         self._new_records: asyncio.Event | None = None
         self.subscribers = 0
+        self.routing = dict.fromkeys(ROUTING_COUNTERS, 0)  # the records' `routing` sums, this epoch
+        self.routed_per_group: dict[str, int] = {}
         self.started = time.time()
         log.info("stats aggregator %s up: epoch %d, world_size %d, tp %d, restored=%s", engine_id,
                  self.asm.epoch, world_size, tp, bool(saved))
@@ -134,7 +136,7 @@ class StatsAggregatorImpl:
         for i, it in enumerate(iterations):
             if isinstance(it, Iteration) and any(isinstance(d, ray.ObjectRef) for d in it.deltas):
                 iterations[i] = Iteration(it.iteration, it.timestamp, list(await asyncio.gather(*it.deltas)),
-                                          it.missing, it.engine)
+                                          it.missing, it.engine, it.routing)
         records = self.asm.ingest(iterations)
         if records:
             self._reported_stats = records[-1]["kvCacheStats"]
@@ -161,6 +163,12 @@ class StatsAggregatorImpl:
             if rec["errors"]:
                 log.warning("iteration %d: %s", rec["iter"], rec["errors"][0])
             self.completed += rec["numCompletedRequests"]
+            routing = rec.get("routing")
+            if routing:
+                for k in ROUTING_COUNTERS:
+                    self.routing[k] += routing.get(k, 0)
+                for dp, n in enumerate(routing.get("perGroupRequests", ())):
+                    self.routed_per_group[str(dp)] = self.routed_per_group.get(str(dp), 0) + n
             self.buffer.append(rec)
         ev, self._new_records = self._event(), asyncio.Event()
         ev.set()
@@ -223,6 +231,7 @@ class StatsAggregatorImpl:
     async def metrics_text(self) -> str:
         snap = {"epoch": self.asm.epoch, "counts": dict(self.asm.counts), "last_iter": self.asm.last_emitted,
                 "buffered": len(self.buffer), "subscribers": self.subscribers, "completed": self.completed,
+                "routing": self.routing, "routed_per_group": self.routed_per_group,
                 "cluster": self._reported_stats, "latest": self.buffer.latest(), "totals": self.totals,
                 "ranks": await self.ranks()}
         return render_metrics(snap)

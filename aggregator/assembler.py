@@ -141,6 +141,7 @@ class Assembler:
         eng = {k: int(it.engine.get(k, 0)) for k in ENGINE_FIGURES}
         gen = s["numGenRequests"]
         secondary = any(b.get("secondaryMaxNumBlocks") for b in merged.views["kvCacheIterationStats"].values())
+        routing = {} if it.routing is None else {"routing": it.routing}
         return {
             "iter": it.iteration, "timestamp": iso_timestamp(it.timestamp), "engineId": self.engine_id,
             "aggregatorEpoch": self.epoch, "numRanks": self.world_size, "reportedRanks": reported,
@@ -155,7 +156,7 @@ class Assembler:
                 "avgNumDecodedTokensPerIter": s["numGenTokens"] / gen if gen else 0.0},
             "iterSuspendedRequests": s["iterSuspendedRequests"], "iterResumedRequests": s["iterResumedRequests"],
             "kvCacheLevelTiers": ["GPU_MEMORY", "HOST_MEMORY"] if secondary else ["GPU_MEMORY"],
-            "iterCachedTokensByLevel": {"GPU_MEMORY": s["iterCachedTokens"]},
+            "iterCachedTokensByLevel": {"GPU_MEMORY": s["iterCachedTokens"]}, **routing,
         }
 
     def rank_record(self, d: RankDelta, iteration: int) -> dict[str, Any]:

@@ -37,3 +37,6 @@ KV_STATS_COUNTERS = ("allocTotalBlocks", "allocNewBlocks", "reusedBlocks", "miss
 KV_STATS_GAUGES = ("maxNumBlocks", "freeNumBlocks", "usedNumBlocks")
 KV_STATS_KEYS = KV_STATS_GAUGES + ("tokensPerBlock",) + KV_STATS_COUNTERS + ("cacheHitRate",)
 assert set(KV_STATS_KEYS) == set(KV_CACHE_STATS_KEYS)
+
+# the counters of a record's `routing` field (workers/placement.py) that /metrics sums
+ROUTING_COUNTERS = ("requests", "predictedReusedBlocks", "realizedReusedBlocks", "indexResyncs")

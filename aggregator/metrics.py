@@ -19,7 +19,15 @@ from typing import Any
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from .fields import KV_STATS_COUNTERS, KV_STATS_GAUGES, POOL_VIEW, VIEW_COUNTERS, WINDOW_VIEW, hit_rate
+from .fields import (
+    KV_STATS_COUNTERS,
+    KV_STATS_GAUGES,
+    POOL_VIEW,
+    ROUTING_COUNTERS,
+    VIEW_COUNTERS,
+    WINDOW_VIEW,
+    hit_rate,
+)
 
 RANK_LABELS = ("rank", "dp_rank", "tp_rank")
 _GAUGE_STATES = ("max", "free", "used", "evictable", "peak_free", "peak_used", "peak_evictable")
@@ -74,6 +82,10 @@ METRICS: list[tuple[str, str, tuple[str, ...], str]] = [
     ("kvfleet_stats_buffered_records", "gauge", (), "records in the ring buffer"),
     ("kvfleet_stats_subscribers", "gauge", (), "live long-poll subscribers"),
     ("kvfleet_stats_aggregator_epoch", "gauge", (), "aggregator incarnation (1 + restarts)"),
+    *[(f"kvfleet_routing_{_snake(k)}_total", "counter", (), f"sum of the records' routing.{k} (this epoch)")
+      for k in ROUTING_COUNTERS],
+    ("kvfleet_routing_group_requests_total", "counter", ("dp_rank",),
+     "requests placed on each dp group (routing.perGroupRequests summed, this epoch)"),
     *[(f"kvfleet_rank_kv_cache_{_snake(k)}_total", "counter", RANK_LABELS, f"rank cumulative {k} (incarnation)")
       for k in KV_STATS_COUNTERS],
     *[(f"kvfleet_rank_kv_cache_{_snake(k[:-len('NumBlocks')])}_blocks", "gauge", RANK_LABELS, f"rank {k}")
@@ -151,6 +163,11 @@ def collect_families(snap: dict[str, Any]):
     put("kvfleet_stats_buffered_records", snap["buffered"])
     put("kvfleet_stats_subscribers", snap["subscribers"])
     put("kvfleet_stats_aggregator_epoch", snap["epoch"])
+    routing = snap.get("routing") or {}
+    for k in ROUTING_COUNTERS:
+        put(f"kvfleet_routing_{_snake(k)}_total", routing.get(k, 0))
+    for dp, n in (snap.get("routed_per_group") or {}).items():
+        put("kvfleet_routing_group_requests_total", n, (dp,))
 
     for r in snap["ranks"].values():
         lab = (str(r["rank"]), str(r["dp_rank"]), str(r["tp_rank"]))

@@ -178,7 +178,7 @@ class _Generation:
         params = await self._params(req, ids)
         rid = protocol.new_id("cmpl" if kind == "text_completion" else "chatcmpl")
         usage = [len(ids), 0]  # prompt, completion tokens
-        events = await _admitted(self.engine.generate(rid, ids, params))
+        events = await _admitted(self.engine.generate(rid, ids, params, req.cache_salt))
         text = self._text(rid, events, req.stop_strings, usage)
         if req.stream:
             chunks = self._chunks(kind, rid, text, usage, req.include_usage)

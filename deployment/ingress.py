@@ -106,6 +106,9 @@ class KVFleetEngine:
     async def health(self) -> dict[str, Any]:
         return await self._engine.health()
 
+    async def kv_events(self, after: int, timeout_s: float) -> list[tuple[int, dict]]:
+        return await self._engine.kv_events(after, timeout_s)
+
     async def check_health(self) -> None:
         """Serve's replica health check: a replica whose engine cannot serve at all is replaced."""
         if self._engine.error:
@@ -156,6 +159,12 @@ class EngineClient:
     async def health(self) -> dict[str, Any]:
         try:
             return await self._h.health.remote()
+        except Exception as e:
+            raise _engine_error(e) from None
+
+    async def kv_events(self, after: int, timeout_s: float) -> list[tuple[int, dict]]:
+        try:
+            return await self._h.kv_events.remote(after, timeout_s)
         except Exception as e:
             raise _engine_error(e) from None
 

@@ -66,6 +66,8 @@ class _SamplingRequest(_Strict):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    cache_salt: str | None = Field(None, min_length=1, description="vLLM's prefix-cache salt: requests reuse "
+                                   "cached blocks only of requests with the same salt (a tenant's isolation)")
     # accepted and ignored, as vLLM's server does: they change nothing kvfleet generates
     metadata: dict[str, str] | None = None
     store: bool | None = None

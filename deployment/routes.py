@@ -20,6 +20,7 @@ from deployment.auth import KeyCheck, load_keys
 from deployment.dashboard_routes import dashboard_router
 from deployment.errors import ERROR_SCHEMA, ErrorResponse, clean_message, error_body, install_error_handlers
 from deployment.generation import EngineProtocol, openai_router
+from deployment.kv_events import kv_events_router
 from deployment.mirror import StatsMirror
 from deployment.settings import Settings
 from deployment.stats_routes import metrics_router, stats_router
@@ -41,6 +42,7 @@ def create_api(engine: EngineProtocol, stats: StatsMirror, settings: Settings) -
     api.include_router(stats_router(stats, settings.dp * settings.tp), dependencies=keyed)
     api.include_router(metrics_router(stats), dependencies=[Depends(KeyCheck(scrape_keys))] if scrape_keys else [])
     api.include_router(dashboard_router())  # the page and its scripts carry no data: open; its requests are keyed
+    api.include_router(kv_events_router(engine), dependencies=keyed)
 
     @api.get("/health", responses={503: {"description": "no dp group can serve, or the aggregator is down"}})
     async def health() -> Response:

@@ -78,6 +78,23 @@ class Settings(BaseSettings):
     metrics_api_key: SecretStr = Field(
         SecretStr(""), description="a key (or `@path`) that /metrics also accepts, for Prometheus' bearer token"
     )
+    routing: Literal["kv", "least_loaded", "round_robin"] = Field(
+        "kv", description="placement across dp groups: `kv` scores each group by the prompt blocks it holds "
+        "against its load; `least_loaded`, `round_robin` are the baselines"
+    )
+    routing_primary_weight: float = Field(1.0, ge=0, description="`kv` score per prompt token held on the primary tier")
+    routing_host_weight: float = Field(0.5, ge=0, description="`kv` score per prompt token held on the host tier")
+    routing_load_weight: float = Field(
+        0.5, ge=0, description="`kv` cost per token the group still has to compute or generate"
+    )
+    routing_free_weight: float = Field(
+        1.0, ge=0, description="`kv` cost per token of prompt blocks beyond the group's room (free blocks less its "
+        "waiting requests' needs): preemptions"
+    )
+    kv_events: bool = Field(
+        False, description="keep recording KV events for `/kv_events` even with no listener and routing not `kv`"
+    )
+    kv_events_buffer: int = Field(10_000, ge=1, description="KV events kept for `/kv_events` replay")
     step_transport: Literal["compiled_graph", "actor_calls"] = Field(
         "actor_calls", description="how the engine steps its ranks: one actor call per rank, or one Ray "
         "Compiled Graph execution per iteration (less driver work per step, but its waiting ranks spin on "

@@ -24,7 +24,7 @@ class KVCacheError(RuntimeError):
 
 class KVCache:
     def __init__(self, mgr: "KVCacheManager", request_id, input_tokens, expected_prompt_length: int | None,
-                 cache_salt, exclude_from_stats: bool) -> None:
+                 cache_salt, exclude_from_stats: bool, block_keys: list[int] | None = None) -> None:
         cfg = mgr.config
         tokens = list(input_tokens)
         if len(tokens) > cfg.max_seq_len:
@@ -40,6 +40,8 @@ class KVCache:
         except TypeError as e:
             raise TypeError(f"cache_salt must be hashable, got {type(cache_salt).__name__}") from e
         self._mgr = mgr
+        self._salt = cache_salt
+        self._keys = block_keys  # precomputed keys of the prompt's full blocks (KV events), or None
         self.request_id = request_id
         self.expected_prompt_length = expected_prompt_length
         self.priority = DEFAULT_PRIORITY
@@ -289,17 +291,27 @@ class KVCache:
         node.tails += 1  # the new tail keeps our chain attached (see Node.tails)
         if self._nodes:
             self._nodes[-1].tails -= 1
+        events = self._mgr.kv_events
         for lc, pages in enumerate(self._pages):
             page = pages[o] if o < len(pages) else None
-            if page is not None and page.node is None and node.pages[lc] is None:
-                node.pages[lc] = page
-                page.node = node
             if o and parent.pages[lc] is None:  # the parent's first publisher's page was dropped: give it ours
                 mine = pages[o - 1] if o - 1 < len(pages) else None
                 if mine is not None and mine.node is None:
                     parent.pages[lc] = mine
                     mine.node = parent
+                    if events is not None and lc == events.anchor:
+                        events.stored(parent, mine.tier, self._salt, self._key_hint(o - 1, B))
+            if page is not None and page.node is None and node.pages[lc] is None:
+                node.pages[lc] = page
+                page.node = node
+                if events is not None and lc == events.anchor:
+                    events.stored(node, page.tier, self._salt, self._key_hint(o, B) if end - o * B == B else None)
         self._nodes.append(node)
+
+    def _key_hint(self, o: int, B: int) -> int | None:
+        """The precomputed key of full block o, if the caller gave one."""
+        keys = self._keys
+        return keys[o] if keys is not None and o < len(keys) else None
 
     def commit_pending_stats(self) -> KVCacheStatsDelta:
         """Move this request's pending statistics into the manager's totals and iteration deltas."""

@@ -22,6 +22,7 @@ import torch
 from .attention import cdiv
 from .cache import KVCache
 from .config import KVCacheManagerConfig, derive_layout, split_quota
+from .events import EventRecorder, root_key
 from .pending import PendingStats
 from .pool import Page, SlotPool
 from .stats import (
@@ -79,6 +80,9 @@ class KVCacheManager:
                          for c in self.life_cycles]
         self._dirty = False  # a gauge may have changed since the peaks were last sampled
         self._roots: dict = {}
+        # KV events follow the first life cycle that never goes stale (kvcache/events.py); None while off
+        self.anchor_lc = next((c.id for c in self.life_cycles if not c.attention.can_go_stale), 0)
+        self.kv_events: EventRecorder | None = None
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         log.info("kv cache: %d life cycles, %d pool groups, primary slots %s, host slots %s, device %s",
                  len(self.life_cycles), len(self.pool_groups), pri,
@@ -86,8 +90,21 @@ class KVCacheManager:
 
     # ---- public API -----------------------------------------------------------------------------------
     def create_kv_cache(self, request_id, input_tokens, expected_prompt_length: int | None = None,
-                        cache_salt=None, exclude_from_stats: bool = False) -> KVCache:
-        return KVCache(self, request_id, input_tokens, expected_prompt_length, cache_salt, exclude_from_stats)
+                        cache_salt=None, exclude_from_stats: bool = False,
+                        block_keys: list[int] | None = None) -> KVCache:
+        """`block_keys`: the prompt's full blocks' keys (`kvcache.events.prompt_keys`), so none is hashed twice."""
+        return KVCache(self, request_id, input_tokens, expected_prompt_length, cache_salt, exclude_from_stats,
+                       block_keys)
+
+    def set_kv_events(self, on: bool, resync: bool = False) -> None:
+        """Record KV events (`self.kv_events.drain()` takes them) from now on, starting with a snapshot of
+        the whole tree (also when `resync`), or stop recording."""
+        if on and self.kv_events is None:
+            self.kv_events, resync = EventRecorder(self.anchor_lc), True
+        elif not on:
+            self.kv_events = None
+        if resync and self.kv_events is not None:
+            self.kv_events.snapshot(self._roots)
 
     def life_cycle_of_layer(self, layer_id: int) -> int:
         return self._lc_of_layer[layer_id]
@@ -265,6 +282,8 @@ class KVCacheManager:
         dst.tensor[slot].copy_(src.tensor[page.slot])
         src.free.append(page.slot)
         page.tier, page.slot = tier, slot
+        if self.kv_events is not None and page.node is not None and page.lc == self.anchor_lc:
+            self.kv_events.moved(page.node, tier)
 
     def _count(self, lc: int, blocks: int, nbytes: int) -> None:
         """One block of life cycle lc, and its bytes, into the iteration counters `blocks` and `nbytes`."""
@@ -304,6 +323,8 @@ class KVCacheManager:
         self._pool(page).free.append(page.slot)
         node = page.node
         if node is not None:
+            if self.kv_events is not None and page.lc == self.anchor_lc:
+                self.kv_events.removed(node, page.tier)
             node.pages[page.lc] = None
             page.node = None
             node.prune()
@@ -324,6 +345,7 @@ class KVCacheManager:
         root = self._roots.get(key)
         if root is None:
             root = self._roots[key] = Node((), None, len(self.life_cycles))
+            root.key = root_key(salt)
         return root
 
     def match(self, root: Node, tokens: list, limit: int) -> tuple[int, list[Node], Node | None]:

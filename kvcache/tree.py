@@ -8,7 +8,7 @@ that life cycle's page was dropped or never stored, e.g. stale sliding-window bl
 
 
 class Node:
-    __slots__ = ("tokens", "parent", "children", "by_first", "pages", "depth", "tails")
+    __slots__ = ("tokens", "parent", "children", "by_first", "pages", "depth", "tails", "key")
 
     def __init__(self, tokens: tuple, parent: "Node | None", num_life_cycles: int) -> None:
         self.tokens = tokens
@@ -21,6 +21,7 @@ class Node:
         # it, so it must stay attached to the tree even when its pages are dropped (its ancestors stay
         # because it is their descendant)
         self.tails = 0
+        self.key: int | None = None  # the block key of kvcache/events.py, set while KV events are on
 
     def child(self, tokens: tuple, num_life_cycles: int) -> "Node":
         node = self.children.get(tokens)

@@ -6,6 +6,7 @@ import types
 import torch
 
 from deployment.settings import Settings
+from kvcache.events import reuse_table
 from workers import ranks
 from workers.config import CacheSettings
 from workers.engine import Engine
@@ -79,6 +80,8 @@ async def make_engine(**overrides) -> Engine:
     eng._stop = lambda workers, pgs: None
     eng.max_request_tokens = min(longest_request(w) for w in eng.rank_workers)
     eng.vocab_size = eng.rank_workers[0].model.config.vocab_size
+    eng.router.reuse_table = reuse_table(eng.rank_workers[0].kv)  # what Engine.start takes from the ranks' setup
+    eng.router.index.max_blocks = [sum(p.num_slots for p in w.kv._pools) for w in eng.rank_workers[::s.tp]]
     eng._loop_task = asyncio.get_running_loop().create_task(eng._loop())
     return eng
 

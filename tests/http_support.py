@@ -4,6 +4,7 @@ import asyncio
 import socket
 import threading
 import time
+import types
 from dataclasses import dataclass
 
 import httpx
@@ -14,6 +15,7 @@ from deployment.mirror import StatsMirror
 from deployment.routes import create_api
 from deployment.settings import Settings
 from workers.errors import EngineError, Overloaded, RequestError, RequestFailed, check_request
+from workers.kv_stream import KVEventStream
 from workers.tokenizer import ByteTokenizer
 
 EOS = ByteTokenizer.eos_token_id
@@ -41,6 +43,9 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.validated = 0
         self.on_finish = lambda: None  # the fixture wires this to FakeStats, like ranks reporting a step
+        self.salts: list = []  # the cache_salt of every request, in order
+        # the engine's real KV event stream over a fake index (dp 0 holds block 7 on the GPU)
+        self.kv_stream = KVEventStream(4, 16, types.SimpleNamespace(blocks=[{7: 0}, {}]), buffer_always=True)
 
     vocab_size = ByteTokenizer.vocab_size
 
@@ -53,8 +58,12 @@ class FakeEngine:
     async def health(self) -> dict:
         return {"ranks": 2}
 
+    async def kv_events(self, after: int, timeout_s: float) -> list:
+        return await self.kv_stream.wait(after, min(timeout_s, 0.3))
+
     async def generate(self, request_id: str, ids: list[int], params, cache_salt=None):
         self.started.append(request_id)
+        self.salts.append(cache_salt)
         prompt = self.tokenizer.decode(ids)
         reply = list(REPLY.encode())
         done = False

@@ -89,7 +89,11 @@ def test_stats_json_is_the_records_and_reads_wait_for_the_first_copy():
 def test_a_mirror_whose_follower_died_fails_the_replica_health_check():
     async def main():
         up = Upstream()
-        up.records.append({"no_iter": 0})  # a record the follower cannot read: a bug, not an outage
+
+        async def garbled(since, limit, ranks):
+            return [{"no_iter": 0}]  # a record the follower cannot read: a bug, not an outage
+
+        up.query = garbled
         m = StatsMirror(up, keepalive_s=0.05)
         m.check()  # not started: healthy
         m.start()

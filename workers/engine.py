@@ -33,6 +33,7 @@ from aggregator.delta import Iteration
 from . import ranks
 from .errors import EngineError, Overloaded, RequestError, RequestFailed, check_request, one_line
 from .loader import check_model, load_tokenizer
+from .placement import Router
 from .recovery import Orphans, restart_group
 from .sampling import SamplingParams
 from .scheduler import Group, Request, plan_group
@@ -85,6 +86,7 @@ class Engine:
         self.error: str | None = None
         self._pgs: list = []
         self._groups = [Group() for _ in range(settings.dp)]
+        self.router = Router(settings, settings.dp)
         self._requests: dict[str, Request] = {}
         self._orphans = Orphans(settings.placement_timeout_s, self._expired)  # while no dp group is up
         self._restarting: dict[int, asyncio.Task] = {}
@@ -126,6 +128,8 @@ class Engine:
         self.max_request_tokens = min(info["max_request_tokens"] for info in self.rank_info)
         self.vocab_size = self.rank_info[0]["vocab_size"]
         self.transport = make_transport(s.step_transport, self.workers)
+        self.router.reuse_table = self.rank_info[0]["reuse_table"]
+        self.router.index.max_blocks = [info["kv_slots"] for info in self.rank_info[::s.tp]]
         if s.enable_stats:
             self.stats = StatsChannel(self.aggregator)
             await self.stats.register([info["layout"] for info in self.rank_info])
@@ -235,6 +239,10 @@ class Engine:
             self._poke()
         log.info("request %s aborted after %d tokens", request_id, len(req.generated))
 
+    async def kv_events(self, after: int, timeout_s: float) -> list[tuple[int, dict]]:
+        """Long poll of the KV event stream (workers/kv_stream.py): (id, vLLM-shaped event) after `after`."""
+        return await self.router.stream.wait(after, timeout_s)
+
     async def health(self) -> dict[str, Any]:
         """The engine's state; raises EngineError (an HTTP 503) while no dp group serves."""
         if self.error:
@@ -253,11 +261,11 @@ class Engine:
 
     # ---- placement ---------------------------------------------------------------------------------------------
     def _place(self, req: Request, front: bool = False) -> None:
-        """Queue a request on the least-loaded dp group that is up; while none is, it waits (an orphan) until
-        a restarted group takes it or its placement deadline fails it. Re-queued requests go `front`."""
+        """Queue a request on the dp group that `routing` picks among those up; while none is, it waits (an
+        orphan) until a restarted group takes it or its placement deadline fails it. Re-queued go `front`."""
         up = [dp for dp, g in enumerate(self._groups) if g.down is None]
         if up:
-            req.dp = min(up, key=lambda dp: self._groups[dp].load)
+            self.router.place(req, self._groups, up)  # sets req.dp (workers/placement.py)
             waiting = self._groups[req.dp].waiting
             waiting.appendleft(req) if front else waiting.append(req)
             self._poke()
@@ -289,6 +297,7 @@ class Engine:
             for p in plans:
                 if p is not None:
                     p.iteration = self.iteration
+            self.router.plan(plans)
             self._changed.clear()
             results, deltas, missing = await ranks.step_all(self.transport, len(self.workers), plans,
                                                             self.settings.tp)
@@ -300,9 +309,11 @@ class Engine:
                     progress = True
                 elif res is not None:
                     progress = progress or bool(res.ran or res.failed)
+                    self.router.observe(dp, res, self._requests)
                     self._apply(self._groups[dp], res)
             if self.stats is not None:
-                self.stats.put(Iteration(self.iteration, time.time(), deltas, missing, self._figures(plans)))
+                self.stats.put(Iteration(self.iteration, time.time(), deltas, missing, self._figures(plans),
+                                         self.router.take_record()))
             self.iteration += 1
             self.steps += 1
             if self.error:
@@ -338,6 +349,7 @@ class Engine:
             return
         g.down = f"rank {failure.rank} is gone ({type(failure.error).__name__})"
         g.failures += 1
+        self.router.drop_group(dp)  # its cache is gone: the KV index forgets it
         moved = list(g.running) + list(g.waiting)
         g.waiting.clear()
         g.running.clear()

@@ -33,6 +33,9 @@ class Request:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     warmup: bool = False
     expiry: Any = None  # while no dp group is up: the timer that fails the request at its placement deadline
+    block_keys: list[int] | None = None  # the prompt's full blocks' keys (workers/placement.py), or None
+    predicted: int = -1  # reused blocks its placement predicted; -1 once counted
+    hit_tokens: int = 0  # prompt tokens its placement expects the rank to find cached (the group's load)
 
     @property
     def total(self) -> int:
@@ -70,7 +73,7 @@ def plan_group(g: Group, iteration: int, s: Any) -> StepPlan:
         req = g.waiting.popleft()
         # a re-queued request prefills what it already generated too, and its sampler goes on where it was
         plan.new.append(NewRequest(req.id, req.prompt + req.generated, req.params, req.cache_salt,
-                                   drawn=len(req.generated)))
+                                   drawn=len(req.generated), block_keys=req.block_keys))
         req.created = True
         g.running.append(req)
     budget = s.max_num_batched_tokens

@@ -22,6 +22,7 @@ import torch
 
 from aggregator.delta import RankDelta, RankLayout, pack
 from kvcache import KVCacheManager
+from kvcache.events import KVEvent, reuse_table
 
 from .config import CacheSettings
 from .loader import kv_cache_config, load_model
@@ -67,6 +68,7 @@ class NewRequest:
     cache_salt: str | None = None
     warmup: bool = False  # warm-up requests are excluded from every statistic
     drawn: int = 0  # tokens already sampled (a request re-prefilled on a new group): a seeded sampler goes on
+    block_keys: list[int] | None = None  # the prompt's full blocks' keys (kvcache.events), computed once
 
 
 @dataclass
@@ -85,6 +87,8 @@ class StepPlan:
     work: list[Work] = field(default_factory=list)  # highest priority first
     close: list[str] = field(default_factory=list)
     record: bool = True  # False for warm-up steps: no stats message
+    kv_events: bool = False  # record KV events (tp rank 0 only: the others make the same decisions)
+    kv_resync: bool = False  # start them with a snapshot of everything the cache holds
 
 
 @dataclass
@@ -98,6 +102,9 @@ class StepResult:
     step_s: float
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why; the rank has dropped it
     delta: RankDelta | None = None  # this rank's stats of the iteration (None: warm-up, or stats off)
+    kv_events: list[KVEvent] | None = None  # this step's KV events (plan.kv_events, tp rank 0)
+    first_reuse: dict[str, int] = field(default_factory=dict)  # request id -> reused blocks of its first commit
+    free_blocks: int = -1  # free primary blocks after the step (with KV events)
 
 
 def build_kv_cache(spec: RankSpec, cfg: Any, device: str, dtype: torch.dtype, tp_group: TPGroup) -> KVCacheManager:
@@ -119,7 +126,7 @@ def layout_of(kv: KVCacheManager, spec: RankSpec, incarnation: str) -> RankLayou
 
 
 class _Req:
-    __slots__ = ("id", "tokens", "params", "salt", "drawn", "device", "kv", "warmup", "prio")
+    __slots__ = ("id", "tokens", "params", "salt", "drawn", "device", "kv", "warmup", "prio", "keys", "first")
 
     def __init__(self, new: NewRequest, device: str) -> None:
         self.id = new.request_id
@@ -131,6 +138,8 @@ class _Req:
         self.kv = None
         self.warmup = new.warmup
         self.prio = 0
+        self.keys = new.block_keys
+        self.first = not new.warmup  # its first stats commit is still to come (predicted vs realized)
 
     def generator(self) -> torch.Generator | None:
         """The generator of the request's next draw (seeded per draw: a rank that takes the request over
@@ -176,6 +185,7 @@ class RankWorker:
         log.info("rank %d (dp %d, tp %d) ready on %s: %d primary blocks, requests up to %d tokens",
                  s.rank, s.dp_rank, s.tp_rank, self.device, stats.max_num_blocks, lo)
         return {"rank": s.rank, "max_request_tokens": lo, "vocab_size": cfg.vocab_size,
+                "reuse_table": reuse_table(self.kv), "kv_slots": sum(p.num_slots for p in self.kv._pools),
                 "max_num_blocks": stats.max_num_blocks, "node_id": ray.get_runtime_context().get_node_id(),
                 "device": self.device, "incarnation": self.incarnation, "layout": self.layout}
 
@@ -190,10 +200,13 @@ class RankWorker:
             if req is not None and req.kv is not None:
                 req.kv.close()
         recording = plan.record and self.spec.cache.enable_stats
+        events = plan.kv_events and self.spec.tp_rank == 0
+        self.kv.set_kv_events(events, plan.kv_resync)
         # suspended before this step: those that run in it are resumed (iterResumedRequests); stats only
         was_suspended = ({rid for rid, r in self.reqs.items() if r.kv is not None and not r.kv.is_active}
                          if recording else set())
         reused = {}
+        first_reuse: dict[str, int] = {}
         cached = 0  # tokens the new requests found in the prefix cache
         for new in plan.new:
             req = self.reqs[new.request_id] = _Req(new, self.device)
@@ -223,7 +236,10 @@ class RankWorker:
                 if req.id in failed:
                     continue
                 req.kv.commit(tokens)
-                req.kv.commit_pending_stats()
+                committed = req.kv.commit_pending_stats()
+                if req.first:
+                    req.first = False
+                    first_reuse[req.id] = committed.reused_blocks
                 ran[req.id] = (req.kv.history_length, sampled.get(i))
         step_s = time.perf_counter() - t0
         delta = None
@@ -235,7 +251,12 @@ class RankWorker:
                      ctx_tokens, n_gen, len(suspended), sum(1 for req, _ in runs if req.id in was_suspended),
                      cached, *self._memory()]
             delta = self._delta(sched)
-        return StepResult(plan.iteration, ran, deferred, recomputed, suspended, reused, step_s, failed, delta)
+        out = StepResult(plan.iteration, ran, deferred, recomputed, suspended, reused, step_s, failed, delta,
+                         first_reuse=first_reuse)
+        if events:
+            out.kv_events = self.kv.kv_events.drain()
+            out.free_blocks = self.kv.get_kv_cache_stats().free_num_blocks
+        return out
 
     def _sample(self, runs: list, logits: list[torch.Tensor], failed: dict[str, str]) -> dict[int, int]:
         """A token for each run whose prompt is now complete; a row the batched sampler cannot take is
@@ -271,7 +292,8 @@ class RankWorker:
 
     def _open(self, req: _Req) -> None:
         """(Re)create the request's cache from every token it has: a recomputed request reuses its blocks."""
-        req.kv = self.kv.create_kv_cache(req.id, req.tokens, cache_salt=req.salt, exclude_from_stats=req.warmup)
+        req.kv = self.kv.create_kv_cache(req.id, req.tokens, cache_salt=req.salt, exclude_from_stats=req.warmup,
+                                         block_keys=req.keys)
 
     def _make_room(self, order: list[Work]):
         """Resume and grow each request in priority order; preempt lower-priority ones when there is no room.

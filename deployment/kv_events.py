@@ -1,0 +1,54 @@
+"""`GET /kv_events`: the engine's KV block events as Server-Sent Events, in vLLM's KV event shape.
+
+Each event is one `data:` JSON object (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`, with `dp_rank` and
+`medium`), its `id:` the engine's sequence number. A client reconnecting with `Last-Event-ID` resumes without
+a gap while the engine still buffers what it missed; otherwise (and on a first connect) it gets a resync: per
+dp group an `AllBlocksCleared` with `"resync": true` and the blocks the engine's index holds. The buffer and
+the snapshot live in the engine (workers/kv_stream.py); polling keeps its events on.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+
+from deployment.errors import APIError
+from deployment.sse import SSE_EVENT, SSE_HEADERS, format_comment, format_event
+
+POLL_S = 15.0  # one long poll of the engine; an idle stream sends a keepalive comment after each
+
+
+def kv_events_router(engine: Any) -> APIRouter:
+    router = APIRouter(tags=["statistics"])
+
+    @router.get("/kv_events", response_class=StreamingResponse, responses={200: {
+        "description": "KV events as Server-Sent Events (id: sequence number); resume with Last-Event-ID",
+        "content": {"text/event-stream": {"schema": SSE_EVENT}}}})
+    async def kv_events(request: Request) -> Response:
+        start = -1
+        header = request.headers.get("last-event-id")
+        if header is not None and header.strip():
+            try:
+                start = int(header)
+            except ValueError:
+                raise APIError(400, f"Last-Event-ID must be a KV event id, got {header!r}",
+                               code="invalid_last_event_id", param="Last-Event-ID") from None
+        first = await engine.kv_events(start, 0.0)  # errors (engine down) answer here, before the stream
+        return StreamingResponse(_stream(engine, start, first), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+
+    return router
+
+
+async def _stream(engine: Any, last: int, got: list) -> AsyncIterator[str]:
+    while True:
+        if got:
+            last = got[-1][0]
+            yield "".join(format_event(json.dumps(ev), id=seq, event="kv_event") for seq, ev in got)
+        else:
+            yield format_comment("keepalive")
+        got = await engine.kv_events(last, POLL_S)

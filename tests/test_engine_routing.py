@@ -1,0 +1,137 @@
+"""Placement over in-process ranks (no Ray): kv routing follows the prefix, the index follows the ranks."""
+
+import asyncio
+
+from kvcache.events import REMOVED, KVEvent, prompt_keys
+from tests.engine_harness import generate, make_engine, settled
+from tests.test_kvcache_events import tree_blocks
+from workers.sampling import SamplingParams
+
+B = 16
+TENANT_A = list(range(1, 97))  # 6 full blocks
+TENANT_B = list(range(101, 197))
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def ask(eng, prompt, salt=None, max_tokens=3):
+    return [ev.token_id async for ev in eng.generate(None, prompt, SamplingParams(max_tokens=max_tokens,
+                                                                                  temperature=0.0), salt)]
+
+
+def placed(eng, prompt, salt=None):
+    up = [dp for dp, g in enumerate(eng._groups) if g.down is None]
+    keys = eng.router.keys(prompt, salt)
+    return eng.router.choose(keys, len(prompt), eng._groups, up)
+
+
+def test_kv_routing_follows_the_prefix_and_predicted_equals_realized():
+    async def main():
+        eng = await make_engine(dp=2, kv_cache_bytes=2 << 20, max_seq_len=256)
+        await ask(eng, TENANT_A + [200])
+        await settled(eng)
+        await ask(eng, TENANT_B + [200])
+        await settled(eng)
+        a_group = eng.router.index.prefix(0, prompt_keys(TENANT_A, B)) != (0, 0)
+        held_a = 0 if a_group else 1
+        assert eng.router.index.prefix(held_a, prompt_keys(TENANT_A, B)) == (6, 0)
+        assert eng.router.index.prefix(1 - held_a, prompt_keys(TENANT_B, B)) == (6, 0)  # B went to the other
+        first = eng.router.take_record()
+        assert first["requests"] == 2 and first["predictedReusedBlocks"] == first["realizedReusedBlocks"] == 0
+        for i in range(3):
+            dp, predicted = placed(eng, TENANT_A + [210 + i])
+            assert dp == held_a and predicted == eng.router.reuse_table[6] > 0
+            await ask(eng, TENANT_A + [210 + i])
+            await settled(eng)
+            dp, _ = placed(eng, TENANT_B + [210 + i])
+            assert dp == 1 - held_a
+            await ask(eng, TENANT_B + [210 + i])
+            await settled(eng)
+        rec = eng.router.take_record()
+        assert rec["requests"] == 6 and rec["perGroupRequests"] == [3, 3]
+        assert rec["predictedReusedBlocks"] == rec["realizedReusedBlocks"] == 6 * eng.router.reuse_table[6]
+        for dp in range(2):  # the index is exactly what each group's rank holds
+            assert eng.router.index.blocks[dp] == tree_blocks(eng.rank_workers[dp].kv)
+        assert eng.router.index.errors == 0
+
+    run(main())
+
+
+def test_a_hot_tenant_does_not_pile_onto_one_group():
+    async def main():
+        eng = await make_engine(dp=2, kv_cache_bytes=2 << 20, max_seq_len=256)
+        await ask(eng, TENANT_A + [200])
+        await settled(eng)
+        held_a = 0 if eng.router.index.prefix(0, prompt_keys(TENANT_A, B)) != (0, 0) else 1
+        hot = [asyncio.ensure_future(ask(eng, TENANT_A + [230 + i], max_tokens=32)) for i in range(8)]
+        await asyncio.gather(*hot)
+        await settled(eng)
+        per_group = eng.router.take_record()["perGroupRequests"]
+        assert per_group[held_a] > per_group[1 - held_a] - 1 >= 0  # the holder gets most, the other is used too
+        assert all(n > 0 for n in per_group)
+
+    run(main())
+
+
+def test_salts_are_isolated_in_the_placement():
+    async def main():
+        eng = await make_engine(dp=2, kv_cache_bytes=2 << 20, max_seq_len=256)
+        await ask(eng, TENANT_A + [200], salt="t1")
+        await settled(eng)
+        _, predicted = placed(eng, TENANT_A + [201], salt="t2")
+        assert predicted == 0  # the same tokens under another salt predict nothing
+        _, predicted = placed(eng, TENANT_A + [201], salt="t1")
+        assert predicted > 0
+        await ask(eng, TENANT_A + [201], salt="t2")
+        rec = eng.router.take_record()
+        assert sum(s["requests"] for s in rec["perSalt"].values()) == rec["requests"] == 2
+        assert rec["realizedReusedBlocks"] == 0  # t2 reused nothing of t1's
+
+    run(main())
+
+
+def test_bad_events_resync_the_group_from_a_snapshot():
+    async def main():
+        eng = await make_engine(dp=1, kv_cache_bytes=2 << 20, max_seq_len=256)
+        await ask(eng, TENANT_A + [200])
+        await settled(eng)
+        assert not eng.router.index.apply(0, [KVEvent(REMOVED, key=12345)])  # an unknown block removed
+        assert eng.router.index.errors == 1 and eng.router.index.blocks[0] == {}
+        await ask(eng, TENANT_B + [200])  # the next step asks the rank for a snapshot
+        await settled(eng)
+        assert eng.router.index.blocks[0] == tree_blocks(eng.rank_workers[0].kv) != {}
+        assert eng.router.index.prefix(0, prompt_keys(TENANT_A, B)) == (6, 0)
+
+    run(main())
+
+
+def test_events_are_off_and_free_when_routing_is_not_kv_and_nobody_listens():
+    async def main():
+        seen = []
+        eng = await make_engine(dp=2, routing="least_loaded")
+        real = eng.rank_workers[0].step
+
+        def step(plan):
+            res = real(plan)
+            seen.append((plan.kv_events, res.kv_events, eng.rank_workers[0].kv.kv_events))
+            return res
+
+        eng.rank_workers[0].step = step
+        await generate(eng, TENANT_A[:40], max_tokens=3, temperature=0.0)
+        await settled(eng)
+        assert seen and all(s == (False, None, None) for s in seen)
+        assert eng.router.keys(TENANT_A, None) is None  # no prompt is hashed either
+        rec = eng.router.take_record()
+        assert rec["policy"] == "least_loaded" and rec["requests"] == 1 and rec["predictedReusedBlocks"] == 0
+
+    run(main())
+
+
+def test_round_robin_cycles_over_the_groups():
+    async def main():
+        eng = await make_engine(dp=2, routing="round_robin")
+        assert [placed(eng, TENANT_A)[0] for _ in range(4)] == [0, 1, 0, 1]
+
+    run(main())

@@ -1,0 +1,159 @@
+"""Placement scoring, the routing record's sums, and the KV event stream (pure: no ranks, no Ray)."""
+
+import types
+
+from aggregator.assembler import Assembler
+from aggregator.delta import Iteration
+from aggregator.metrics import render_metrics
+from deployment.settings import Settings
+from kvcache.events import CLEARED, MOVED, REMOVED, STORED, KVEvent, prompt_keys
+from workers.kv_stream import KVEventStream
+from workers.placement import TOP_SALTS, Router, group_load, salt_label
+from workers.sampling import SamplingParams
+from workers.scheduler import Group, Request
+
+B = 16
+PROMPT = list(range(1, 65))  # 4 full blocks
+
+
+def router(**kw) -> Router:
+    r = Router(Settings(model="random", dp=3, **kw), 3)
+    r._events_on = True
+    r.index.resync = [False] * 3
+    r.free = [100, 100, 100]
+    return r
+
+
+def busy(tokens: int) -> Group:
+    g = Group()
+    if tokens:
+        g.waiting.append(Request("x", [1] * tokens, SamplingParams(max_tokens=1), None, 1))
+    return g
+
+
+def hold(r: Router, dp: int, keys: list[int], tier: int = 0) -> None:
+    r.index.apply(dp, [KVEvent(STORED, k, tier=tier) for k in keys])
+
+
+def test_kv_picks_the_group_holding_the_prefix_until_its_load_outweighs_it():
+    r = router(routing_load_weight=1.0)
+    keys = prompt_keys(PROMPT, B)
+    hold(r, 1, keys[:3])
+    groups = [busy(0), busy(0), busy(0)]
+    assert r.choose(keys, len(PROMPT), groups, [0, 1, 2]) == (1, 3)  # 3 blocks predicted (no table: blocks)
+    groups[1] = busy(40)  # 40 tokens queued < 48 tokens saved: still the holder
+    assert r.choose(keys, len(PROMPT), groups, [0, 1, 2])[0] == 1
+    groups[1] = busy(60)  # more queued than it saves: another group
+    assert r.choose(keys, len(PROMPT), groups, [0, 1, 2])[0] in (0, 2)
+    assert r.choose(keys, len(PROMPT), groups, [1])[0] == 1  # only the groups that are up
+
+
+def test_primary_is_worth_more_than_host_and_a_gap_ends_the_prefix():
+    r = router()
+    keys = prompt_keys(PROMPT, B)
+    hold(r, 0, keys[:3], tier=1)
+    hold(r, 1, keys[:2], tier=0)
+    hold(r, 2, [keys[0], keys[2], keys[3]])  # block 1 missing: only block 0 counts
+    assert r.index.prefix(2, keys) == (1, 0)
+    groups = [busy(0)] * 3
+    assert r.choose(keys, len(PROMPT), groups, [0, 1, 2])[0] == 1  # 2 primary (32) > 3 host (24)
+    r = router(routing_host_weight=1.0)
+    hold(r, 0, keys[:3], tier=1)
+    hold(r, 1, keys[:2], tier=0)
+    assert r.choose(keys, len(PROMPT), groups, [0, 1, 2])[0] == 0
+
+
+def test_the_last_prompt_token_is_never_predicted_and_ties_go_to_the_lighter_group():
+    r = router()
+    keys = prompt_keys(PROMPT, B)
+    hold(r, 0, keys)
+    assert r.choose(keys, len(PROMPT), [busy(0)] * 3, [0, 1, 2]) == (0, 3)  # the rank matches <= 63 tokens
+    r = router()
+    assert r.choose(keys, len(PROMPT), [busy(30), busy(10), busy(20)], [0, 1, 2])[0] == 1
+
+
+def test_baselines():
+    r = router(routing="least_loaded")
+    assert r.choose(None, 10, [busy(5), busy(0), busy(0)], [0, 1, 2])[0] == 1
+    r = router(routing="round_robin")
+    assert [r.choose(None, 10, [busy(0)] * 3, [0, 2])[0] for _ in range(3)] == [0, 2, 0]
+    assert group_load(busy(7)) == 8  # 7 prompt tokens + 1 to generate
+
+
+def test_the_routing_record_sums_are_exact_per_salt_top_16_and_other():
+    r = router()
+    total_p = total_r = 0
+    for i in range(40):
+        salt = None if i % 10 == 0 else f"tenant-{i % 20}"
+        req = types.SimpleNamespace(cache_salt=salt, predicted=i)
+        r._count(req, i % 3, i + 1)
+        total_p += i
+        total_r += i + 1
+        assert req.predicted == -1  # counted once
+    rec = r.take_record()
+    assert (rec["requests"], rec["predictedReusedBlocks"], rec["realizedReusedBlocks"]) == (40, total_p, total_r)
+    assert sum(rec["perGroupRequests"]) == 40
+    per = rec["perSalt"]
+    assert len(per) == TOP_SALTS + 1 and "other" in per
+    for k in ("requests", "predictedReusedBlocks", "realizedReusedBlocks"):
+        assert sum(s[k] for s in per.values()) == rec[k if k != "requests" else "requests"]
+    assert per[salt_label(None)]["requests"] == 4  # the most frequent "salt" is no salt
+    assert "tenant-1" not in str(rec)  # salts are named by their key, never shown
+    assert r.take_record()["requests"] == 0  # a fresh tally per record
+
+
+def test_records_and_metrics_carry_the_routing_sums():
+    asm = Assembler("e", 1, 1)
+    routing = {"policy": "kv", "requests": 2, "predictedReusedBlocks": 5, "realizedReusedBlocks": 4,
+               "perGroupRequests": [2], "perSalt": {}, "indexResyncs": 1}
+    (rec,) = asm.ingest([Iteration(0, 0.0, [], (), {}, routing)])
+    assert rec["routing"] == routing
+    snap = {"epoch": 1, "counts": dict(asm.counts), "last_iter": 0, "buffered": 1, "subscribers": 0,
+            "completed": 0, "cluster": asm.cumulative.stats(), "latest": rec, "ranks": {},
+            "totals": {"kvCacheIterationStats": {}, "kvCacheIterationStatsByPoolGroup": {}},
+            "routing": {k: routing[k] for k in ("requests", "predictedReusedBlocks", "realizedReusedBlocks",
+                                                 "indexResyncs")}, "routed_per_group": {"0": 2}}
+    text = render_metrics(snap)
+    assert "kvfleet_routing_predicted_reused_blocks_total 5.0" in text
+    assert "kvfleet_routing_realized_reused_blocks_total 4.0" in text
+    assert 'kvfleet_routing_group_requests_total{dp_rank="0"} 2.0' in text
+
+
+def stream(capacity=100) -> KVEventStream:
+    index = types.SimpleNamespace(blocks=[{7: 0, 8: 1}, {}])
+    s = KVEventStream(capacity, B, index, buffer_always=True)
+    return s
+
+
+def test_the_stream_resumes_without_a_gap_in_vllm_shape():
+    s = stream()
+    s.publish(0, [KVEvent(STORED, 1, None, tuple(range(16)), 0), KVEvent(STORED, 2, 1, tuple(range(16)), 0)])
+    s.publish(1, [KVEvent(MOVED, 5, tier=1), KVEvent(REMOVED, 6, tier=1), KVEvent(CLEARED)])
+    ids = [i for i, _ in s.since(0)]
+    assert ids == list(range(1, 7))  # a move is removed from GPU + stored on CPU
+    assert [e["type"] for _, e in s.since(0)] == ["BlockStored", "BlockStored", "BlockRemoved", "BlockStored",
+                                                  "BlockRemoved", "AllBlocksCleared"]
+    first = s.since(0)[1][1]
+    assert first["block_hashes"] == [2] and first["parent_block_hash"] == 1 and first["block_size"] == B
+    assert first["medium"] == "GPU" and first["dp_rank"] == 0 and len(first["token_ids"]) == 16
+    assert s.since(0)[2][1]["medium"] == "GPU" and s.since(0)[3][1]["medium"] == "CPU"
+    for k in range(7):  # any resume point gives exactly what came after it
+        assert [i for i, _ in s.since(k)] == list(range(k + 1, 7))
+
+
+def test_a_client_too_far_behind_gets_an_explicit_resync():
+    s = stream(capacity=2)
+    s.publish(0, [KVEvent(STORED, k) for k in range(1, 6)])
+    assert [i for i, _ in s.since(3)] == [4, 5]
+    got = s.since(1)  # events 2 and 3 are gone
+    assert [e["type"] for _, e in got] == ["AllBlocksCleared", "BlockStored", "BlockStored", "AllBlocksCleared"]
+    assert got[0][1]["resync"] and {i for i, _ in got} == {5}
+    assert got[1][1]["block_hashes"] == [7] and got[2][1]["medium"] == "CPU"
+    assert s.since(-1)[0][1]["resync"]  # a new client starts from a snapshot too
+
+
+def test_a_stream_nobody_listens_to_converts_nothing():
+    s = KVEventStream(10, B, types.SimpleNamespace(blocks=[{}]))
+    s.publish(0, [KVEvent(STORED, 1)])
+    assert not s.buffer and s.exact_from == s.seq == 1  # a marked gap: a later client resyncs
+    assert s.since(0)[0][1]["resync"]

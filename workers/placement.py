@@ -1,0 +1,210 @@
+"""Placement across dp groups: which group a request goes to, and how right that was.
+
+Policies (`routing`): `kv` scores every group that is up by the prompt blocks it already holds (the KV index,
+workers/kv_index.py: an exact picture of what the ranks reported) against its load, `least_loaded` takes the
+group with the fewest requests, `round_robin` the next one. The `kv` score, in tokens:
+
+    B * (primary_weight * primary hits + host_weight * host hits)
+      - load_weight * (tokens still to compute or generate on the group)
+      - free_weight * B * (blocks the prompt needs beyond the group's room: what it would preempt)
+
+where room is the group's free blocks (free or evictable, as its rank last reported) less what its waiting
+requests will take, and hits are the longest prefix of the prompt's full blocks the group holds (the rank
+matches at most all but the prompt's last token). Ties go to the lighter group, then the one holding fewer
+blocks (so tenants spread over the groups' caches), then the one with more free blocks, then the lower dp
+rank.
+Salts are in the block keys (kvcache/events.py), so one salt's blocks never predict another's reuse.
+
+Predicted vs realized: a request's prediction is its group's hits, in the statistics' units (the reused
+blocks a stats commit counts over every life cycle, `kvcache.events.reuse_table`); its realization is the
+reused blocks of its first stats commit on the rank. Each record's `routing` sums both for the requests whose
+first commit was in that iteration. They differ when (1) blocks are evicted between the decision and the
+prefill (other requests run meanwhile, or the request waits), (2) the rank also reuses part of a block (a
+partial match; the prediction counts full blocks only), (3) events are in flight: blocks another request
+published in the same step are not in the index yet, (4) a sliding-window life cycle lost a page the anchor
+life cycle still has, so the rank's match is shorter than the index's.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from kvcache.events import prompt_keys, root_key
+
+from .kv_index import KVIndex
+from .kv_stream import KVEventStream
+
+POLICIES = ("kv", "least_loaded", "round_robin")
+TOP_SALTS = 16
+MAX_SALTS = 4096  # salts whose request counts are kept (the most frequent survive a trim)
+
+
+def group_load(g: Any) -> int:
+    """Tokens a group still has to compute or generate: prompts not yet prefilled (less what their placement
+expects cached) and outputs not yet made."""
+    total = 0
+    for r in itertools.chain(g.waiting, g.running):
+        total += r.total - max(r.known_history, r.hit_tokens) + r.max_new - len(r.generated)
+    return total
+
+
+def waiting_blocks(g: Any, B: int) -> int:
+    """Blocks the group's waiting requests will take beyond what their placement expects cached: room that
+    its last reported free blocks no longer have."""
+    return sum(max(0, -(-(r.total + r.max_new) // B) - r.hit_tokens // B) for r in g.waiting)
+
+
+def salt_label(salt: Any) -> str:
+    """How records name a salt: its root key in hex (never the salt itself, which is a tenant's secret)."""
+    return "none" if salt is None else f"{root_key(salt):016x}"
+
+
+class Router:
+    def __init__(self, settings: Any, num_groups: int) -> None:
+        s = settings
+        self.policy = s.routing
+        self.B = s.tokens_per_block
+        self.weights = (s.routing_primary_weight, s.routing_host_weight, s.routing_load_weight,
+                        s.routing_free_weight)
+        self.always_events = s.routing == "kv" or s.kv_events
+        self.index = KVIndex(num_groups, 1 << 30)
+        self.stream = KVEventStream(s.kv_events_buffer, self.B, self.index, buffer_always=s.kv_events)
+        self.free = [0] * num_groups  # each group's free primary blocks, from its last step
+        self.reuse_table: list[int] | None = None  # kvcache.events.reuse_table of the ranks
+        self._rr = 0
+        self._events_on = False
+        self._tally = _Tally(num_groups)
+        self.salt_counts: dict[str, int] = {}
+        self._reported_errors = 0
+        self._last_hits = 0  # prompt blocks the last choice found on its group
+
+    # ---- the decision -------------------------------------------------------------------------------------
+    @property
+    def events_on(self) -> bool:
+        """Whether the ranks record KV events: always for `kv` (or `kv_events`), else while someone listens."""
+        return self.always_events or self.stream.listening
+
+    def keys(self, prompt: list[int], salt: Any) -> list[int] | None:
+        """The prompt's block keys, computed once (the rank publishes with them), or None while events are off."""
+        return prompt_keys(prompt, self.B, salt) if self._events_on or self.events_on else None
+
+    def place(self, req: Any, groups: Sequence[Any], up: list[int]) -> int:
+        """Put a new (or re-queued) request's placement on it: its block keys (computed once), its dp group,
+        its predicted reuse; returns the group. The caller queues it there."""
+        if req.block_keys is None:
+            req.block_keys = self.keys(req.prompt, req.cache_salt)
+        req.dp, req.predicted = self.choose(req.block_keys, len(req.prompt), groups, up)
+        req.hit_tokens = self._last_hits * self.B
+        return req.dp
+
+    def choose(self, keys: list[int] | None, prompt_len: int, groups: Sequence[Any], up: list[int]) -> tuple[int, int]:
+        """(dp group, predicted reused blocks) for a request of `prompt_len` tokens with these block keys."""
+        limit = max(0, (prompt_len - 1) // self.B)
+        hits = {dp: self.index.prefix(dp, keys[:limit]) if keys and self._events_on else (0, 0) for dp in up}
+        if self.policy == "round_robin":
+            dp = up[self._rr % len(up)]
+            self._rr += 1
+        elif self.policy == "least_loaded":
+            dp = min(up, key=lambda d: groups[d].load)
+        else:
+            wp, wh, wl, wf = self.weights
+            need = -(-prompt_len // self.B)
+
+            def rank(d: int) -> tuple:
+                p, h = hits[d]
+                load = group_load(groups[d])
+                short = max(0, need - p - h - (self.free[d] - waiting_blocks(groups[d], self.B)))
+                return (-(self.B * (wp * p + wh * h) - wl * load - wf * self.B * short), load,
+                        len(self.index.blocks[d]), -self.free[d], d)
+
+            dp = min(up, key=rank)
+        self._last_hits = sum(hits[dp])
+        return dp, self.predicted(self._last_hits)
+
+    def predicted(self, blocks: int) -> int:
+        table = self.reuse_table
+        return table[min(blocks, len(table) - 1)] if table else blocks
+
+    # ---- the step: flags out, events and realized reuse in --------------------------------------------------
+    def plan(self, plans: list) -> None:
+        """Tell each group's ranks whether to record events, and whether to send a snapshot (a resync)."""
+        on = self.events_on
+        if self._events_on and not on:
+            for dp in range(len(self.index.blocks)):
+                self.drop_group(dp)
+        self._events_on = on
+        for dp, p in enumerate(plans):
+            if p is not None:
+                p.kv_events = on
+                p.kv_resync = on and self.index.resync[dp]
+
+    def observe(self, dp: int, res: Any, requests: dict) -> None:
+        """A group's step result (tp rank 0's): its events into the index and the stream, its first commits."""
+        if res.free_blocks >= 0:
+            self.free[dp] = res.free_blocks
+        if res.kv_events:
+            self.index.apply(dp, res.kv_events)
+            self.stream.publish(dp, res.kv_events)
+        for rid, realized in res.first_reuse.items():
+            req = requests.get(rid)
+            if req is not None and req.predicted >= 0:
+                self._count(req, dp, realized)
+
+    def drop_group(self, dp: int) -> None:
+        """A group went down or restarts with an empty cache (the engine calls this)."""
+        self.index.drop_group(dp)
+        self.stream.cleared(dp)
+
+    # ---- records ------------------------------------------------------------------------------------------
+    def _count(self, req: Any, dp: int, realized: int) -> None:
+        label = salt_label(req.cache_salt)
+        n = self.salt_counts.get(label, 0) + 1
+        self.salt_counts[label] = n
+        if len(self.salt_counts) > MAX_SALTS:
+            keep = heapq.nlargest(MAX_SALTS // 4, self.salt_counts.items(), key=lambda kv: kv[1])
+            self.salt_counts = dict(keep)
+            self.salt_counts.setdefault(label, n)
+        self._tally.add(dp, label, req.predicted, realized)
+        req.predicted = -1  # counted once, on its first commit
+
+    def take_record(self) -> dict[str, Any]:
+        """The `routing` field of the iteration just stepped, and a fresh tally."""
+        t, self._tally = self._tally, _Tally(len(self.free))
+        top = {label for label, _ in heapq.nlargest(TOP_SALTS, self.salt_counts.items(), key=lambda kv: kv[1])}
+        per_salt: dict[str, dict[str, int]] = {}
+        for label, (n, p, r) in t.salts.items():
+            key = label if label in top else "other"
+            acc = per_salt.setdefault(key, {"requests": 0, "predictedReusedBlocks": 0, "realizedReusedBlocks": 0})
+            acc["requests"] += n
+            acc["predictedReusedBlocks"] += p
+            acc["realizedReusedBlocks"] += r
+        return {"policy": self.policy, "requests": t.requests, "predictedReusedBlocks": t.predicted,
+                "realizedReusedBlocks": t.realized, "perGroupRequests": t.per_group, "perSalt": per_salt,
+                "indexResyncs": self._resyncs()}
+
+    def _resyncs(self) -> int:
+        """Index errors (each a resync) since the last record."""
+        n, self._reported_errors = self.index.errors - self._reported_errors, self.index.errors
+        return n
+
+
+class _Tally:
+    __slots__ = ("requests", "predicted", "realized", "per_group", "salts")
+
+    def __init__(self, num_groups: int) -> None:
+        self.requests = self.predicted = self.realized = 0
+        self.per_group = [0] * num_groups
+        self.salts: dict[str, list[int]] = {}
+
+    def add(self, dp: int, label: str, predicted: int, realized: int) -> None:
+        self.requests += 1
+        self.predicted += predicted
+        self.realized += realized
+        self.per_group[dp] += 1
+        s = self.salts.setdefault(label, [0, 0, 0])
+        s[0] += 1
+        s[1] += predicted
+        s[2] += realized
