@@ -141,6 +141,8 @@ class CompiledGraph:
             dag = MultiOutputNode(outs)
         self.graph = dag.experimental_compile(enable_asyncio=True, _submit_timeout=self.timeout_s)
         loops = [asyncio.wrap_future(ref.future()) for ref in self.graph.worker_task_refs.values()]
+        for f in loops:  # a dead rank's loop ends with its ActorDiedError: seen, not logged as unretrieved
+            f.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._loop_ended = asyncio.ensure_future(asyncio.wait(loops, return_when=asyncio.FIRST_COMPLETED))
         log.info("compiled the step graph over ranks %s", self._members)
 
