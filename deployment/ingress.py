@@ -107,7 +107,8 @@ class KVFleetEngine:
         return await self._engine.health()
 
     async def kv_events(self, after: int, timeout_s: float) -> list[tuple[int, dict]]:
-        return await self._engine.kv_events(after, timeout_s)
+        """Long poll of the KV event stream (workers/kv_stream.py): (id, vLLM-shaped event) after `after`."""
+        return await self._engine.router.stream.wait(after, timeout_s)
 
     async def check_health(self) -> None:
         """Serve's replica health check: a replica whose engine cannot serve at all is replaced."""

@@ -1,18 +1,16 @@
 """The engine: continuous batching over dp groups of rank actors that step in lockstep.
 
 It lives in the engine's Serve replica. Each step it plans, per dp group, which requests to create, run and
-close (workers/scheduler.py); every rank of the cluster then
-steps with its group's plan (an idle group steps with an empty plan, so every rank reports every iteration
-and the aggregator can close it). When no group has anything to do the engine does not step at all.
-Iterations are numbered globally and continue after the aggregator's last emitted iteration, so a restarted
+close (workers/scheduler.py); every rank then steps with its group's plan (an idle group steps with an empty
+plan, so every rank reports every iteration and the aggregator can close it). When no group has anything to
+do the engine does not step. Iterations continue after the aggregator's last emitted one, so a restarted
 engine never reuses an iteration number.
 
-Failures: a rank whose step call fails because the actor is gone takes its dp group down (the others keep
-stepping). The group's requests are re-queued at once, on a group that is up when there is one, and prefill
-again from prompt + tokens generated so far (a seeded sampler draws on where it was), so their streams go on
-with no gap and no repeat. The group is restarted as new actors after a backoff (workers/ranks.py) and back in
-service when every rank is set up and warmed up; `max_group_restarts` failures in a row and it stays down.
-A request that no group can take waits up to `placement_timeout_s`, then gets EngineError (503).
+Failures: a rank whose step call fails because the actor is gone takes its dp group down; the others keep
+stepping. The group's requests are re-queued at once (on a group that is up, if any) and prefill again from
+prompt + tokens generated so far (a seeded sampler draws on where it was): their streams go on with no gap
+and no repeat. The group restarts as new actors after a backoff (workers/recovery.py) and serves again once
+set up and warmed up; after `max_group_restarts` failures in a row it stays down.
 """
 
 from __future__ import annotations
@@ -25,18 +23,17 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from aggregator.delta import Iteration
 
 from . import ranks
-from .errors import EngineError, Overloaded, RequestError, RequestFailed, check_request, one_line
+from .errors import RETRY_AFTER_DOWN_S, EngineError, Overloaded, RequestError, RequestFailed, check_request, one_line
 from .loader import check_model, load_tokenizer
 from .placement import Router
 from .recovery import Orphans, restart_group
 from .sampling import SamplingParams
-from .scheduler import Group, Request, plan_group
+from .scheduler import Group, Request, TokenEvent, apply_result, plan_group
 from .stats_channel import StatsChannel
 from .transport import Transport, make_transport
 from .worker import StepPlan, StepResult
@@ -48,15 +45,6 @@ def first_iteration(last_emitted: int | None) -> int:
     """The iteration a (re)started engine begins with: one past what its aggregator already emitted."""
     return 0 if last_emitted is None else max(0, int(last_emitted) + 1)
 
-
-@dataclass
-class TokenEvent:
-    token_id: int
-    finish_reason: str | None = None  # "stop" | "length" | None
-
-
-# Retry-After of a request refused because no dp group is up (a restart takes seconds on CPU)
-RETRY_AFTER_DOWN_S = 5.0
 
 # A step in which no request ran (every scheduled one found no room) is retried after this pause, doubling up
 # to the maximum, or as soon as something changes (a request arrives, finishes or is aborted): never a busy loop.
@@ -88,7 +76,8 @@ class Engine:
         self._groups = [Group() for _ in range(settings.dp)]
         self.router = Router(settings, settings.dp)
         self._requests: dict[str, Request] = {}
-        self._orphans = Orphans(settings.placement_timeout_s, self._expired)  # while no dp group is up
+        # while no dp group is up; one that expires fails with a 503 (recovery.py) and is forgotten here
+        self._orphans = Orphans(settings.placement_timeout_s, lambda req: self._requests.pop(req.id, None))
         self._restarting: dict[int, asyncio.Task] = {}
         self._closing = False
         self._device = self._dtype = ""
@@ -116,14 +105,10 @@ class Engine:
                 f"(tp {s.tp}): use another engine_id, or stop the old engine first")
         self.iteration = first_iteration(health.get("last_iter"))
         ranks.remove_leftovers(s.engine_id)  # what a previous engine of this id left (its replica died)
-        launched = await asyncio.gather(*[self._launch(dp) for dp in range(s.dp)], return_exceptions=True)
+        launched = await ranks.launch_all(self._launch, s.dp, self._stop)
         for group in launched:
-            if not isinstance(group, BaseException):
-                self._pgs.append(group.pg)
-                self.workers += group.workers
-        failed = next((g for g in launched if isinstance(g, BaseException)), None)
-        if failed is not None:
-            raise failed
+            self._pgs.append(group.pg)
+            self.workers += group.workers
         self.rank_info = [info for group in launched for info in group.infos]
         self.max_request_tokens = min(info["max_request_tokens"] for info in self.rank_info)
         self.vocab_size = self.rank_info[0]["vocab_size"]
@@ -239,10 +224,6 @@ class Engine:
             self._poke()
         log.info("request %s aborted after %d tokens", request_id, len(req.generated))
 
-    async def kv_events(self, after: int, timeout_s: float) -> list[tuple[int, dict]]:
-        """Long poll of the KV event stream (workers/kv_stream.py): (id, vLLM-shaped event) after `after`."""
-        return await self.router.stream.wait(after, timeout_s)
-
     async def health(self) -> dict[str, Any]:
         """The engine's state; raises EngineError (an HTTP 503) while no dp group serves."""
         if self.error:
@@ -251,9 +232,7 @@ class Engine:
         if len(down) == len(self._groups):
             raise EngineError("no dp group is up: " + "; ".join(f"group {dp}: {why}" for dp, why in down.items()),
                               RETRY_AFTER_DOWN_S)
-        groups = {str(dp): {"up": g.down is None, "down": g.down, "failures": g.failures, "restarts": g.restarts,
-                            "restarting": dp in self._restarting, "stays_down": g.stays_down}
-                  for dp, g in enumerate(self._groups)}
+        groups = {str(dp): g.health(dp in self._restarting) for dp, g in enumerate(self._groups)}
         return {"ok": True, "ranks": self.world_size, "iteration": self.iteration, "steps": self.steps,
                 "running": sum(len(g.running) for g in self._groups),
                 "waiting": len(self._orphans) + sum(len(g.waiting) for g in self._groups),
@@ -273,13 +252,6 @@ class Engine:
         if all(g.stays_down for g in self._groups):
             raise EngineError("every dp group is down", RETRY_AFTER_DOWN_S)
         self._orphans.add(req)
-
-    def _expired(self, req: Request) -> None:
-        req.done = True
-        self._requests.pop(req.id, None)
-        req.queue.put_nowait(EngineError(
-            f"no dp group could take the request within placement_timeout_s "
-            f"({self.settings.placement_timeout_s:g} s): every group is down or restarting", RETRY_AFTER_DOWN_S))
 
     # ---- the step loop -----------------------------------------------------------------------------------------
     def _poke(self) -> None:
@@ -339,7 +311,7 @@ class Engine:
         """A dead rank takes its dp group down (the others go on): its requests are re-queued and the group
         is restarted. Any other step error fails the group's running requests, which are closed on every
         rank, and the group steps on."""
-        g = self._groups[dp]
+        g, tp = self._groups[dp], self.settings.tp
         why = one_line(failure.error)
         if not failure.rank_gone:
             log.error("dp group %d: step of rank %d raised, failing %d running requests: %s", dp, failure.rank,
@@ -354,26 +326,21 @@ class Engine:
         g.waiting.clear()
         g.running.clear()
         g.to_close.clear()
-        self._retire(dp)
+        self._stop(self.workers[dp * tp:(dp + 1) * tp], [self._pgs[dp]])  # what is left of it
+        self.workers[dp * tp:(dp + 1) * tp] = [None] * tp
+        self.transport.replace(self.workers)
         log.error("dp group %d is down: %s; re-queueing %d requests", dp, g.down, len(moved))
         if g.failures > self.settings.max_group_restarts:
             self._stays_down(dp)
         else:
-            self._restarting[dp] = asyncio.get_running_loop().create_task(self._restart(dp))
+            task = self._restarting[dp] = asyncio.get_running_loop().create_task(self._restart(dp))
+            task.add_done_callback(lambda _: self._restarting.pop(dp, None))
         for req in reversed(moved):  # oldest first, ahead of what was waiting there
             req.requeue()
             try:
                 self._place(req, front=True)
             except EngineError as e:
                 self._finish_failed(g, req, e)
-
-    def _retire(self, dp: int) -> None:
-        """Kill what is left of a down group's ranks and remove its placement group."""
-        tp = self.settings.tp
-        self._stop(self.workers[dp * tp:(dp + 1) * tp], [self._pgs[dp]] if dp < len(self._pgs) else [])
-        self.workers[dp * tp:(dp + 1) * tp] = [None] * tp
-        if self.transport is not None:
-            self.transport.replace(self.workers)
 
     def _stays_down(self, dp: int) -> None:
         g = self._groups[dp]
@@ -388,10 +355,7 @@ class Engine:
     async def _restart(self, dp: int) -> None:
         """Bring a down group back (workers/recovery.py), then into service; or it stays down."""
         g, tp = self._groups[dp], self.settings.tp
-        try:
-            launched = await restart_group(dp, g, self.settings, self._launch, self._prepare, self._stop)
-        finally:
-            self._restarting.pop(dp, None)
+        launched = await restart_group(dp, g, self.settings, self._launch, self._prepare, self._stop)
         if launched is None:
             self._stays_down(dp)
             return
@@ -412,55 +376,21 @@ class Engine:
             await self.stats.register([info["layout"] for info in launched.infos])
 
     def _finish_failed(self, g: Group, req: Request, error: BaseException) -> None:
-        req.done = True
+        g.finish(req)
         self._requests.pop(req.id, None)
-        if req in g.running:
-            g.running.remove(req)
-        g.to_close.append(req.id)  # a tp rank that did not fail it still holds it
         self._poke()
         req.queue.put_nowait(error)
 
     def _apply(self, g: Group, res: StepResult) -> None:
-        eos = self.tokenizer.eos_token_ids  # any of them stops a request (Llama-3 has two, SmolLM2 has two)
         if res.ran:
             g.failures = 0  # it serves again: failures "in a row" start over
-        for rid, why in res.failed.items():
-            req = self._requests.get(rid)
-            if req is not None and not req.done:
-                self._finish_failed(g, req, RequestFailed(f"request {rid} failed: {why}"))
-        for rid, reused in res.reused.items():
-            req = self._requests.get(rid)
-            if req is not None:
-                req.known_history = reused
         self.preemptions += len(res.recomputed) + len(res.suspended)
-        for rid in res.recomputed:
-            req = self._requests.get(rid)
-            if req is not None:
-                req.known_history = 0
-        for rid, (history, token) in res.ran.items():
-            req = self._requests.get(rid)
-            if req is None or req.done:
-                continue
-            req.known_history = history
-            if token is None:
-                continue
-            req.generated.append(token)
-            p = req.params
-            reason = None
-            if (not p.ignore_eos and token in eos) or token in p.stop_token_ids:
-                reason = "stop"
-            elif len(req.generated) >= req.max_new:
-                reason = "length"
-            if reason is None:
-                req.append = token
-            else:
-                req.done = True
-                self._completed += 1
-                self._requests.pop(rid, None)
-                g.running.remove(req)
-                g.to_close.append(rid)
+        for req, ev in apply_result(g, res, self._requests, self.tokenizer.eos_token_ids):
+            if req.done:
+                self._requests.pop(req.id, None)
+                self._completed += isinstance(ev, TokenEvent)
                 self._poke()
-            req.queue.put_nowait(TokenEvent(token, reason))
+            req.queue.put_nowait(ev)
 
     def _fail_all(self, error: BaseException) -> None:
         for req in list(self._requests.values()):

@@ -25,6 +25,10 @@ class EngineError(RuntimeError):
         return type(self), (str(self), self.retry_after_s)
 
 
+# Retry-After of a request refused because no dp group is up (a group restarts in seconds on CPU)
+RETRY_AFTER_DOWN_S = 5.0
+
+
 class Overloaded(EngineError):
     """The engine's waiting queue is full (an HTTP 429): nothing else is affected."""
 

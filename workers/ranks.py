@@ -142,6 +142,18 @@ async def launch_group(settings: Any, dp: int, device: str, dtype: str) -> Launc
     return Launched(pg, workers, infos)
 
 
+async def launch_all(launch: Any, n: int, stop: Any) -> list[Launched]:
+    """Launch dp groups 0..n-1 at once with `launch(dp)`; if any fails, `stop` the others and raise."""
+    out = await asyncio.gather(*[launch(dp) for dp in range(n)], return_exceptions=True)
+    failed = [g for g in out if isinstance(g, BaseException)]
+    if failed:
+        for g in out:
+            if not isinstance(g, BaseException):
+                stop(g.workers, [g.pg])
+        raise failed[0]
+    return out
+
+
 async def warm_up(workers: list) -> None:
     """A few steps of one group that no statistic records (first-call costs): before a group first serves."""
     params = SamplingParams(max_tokens=2, temperature=0.0)

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from . import ranks
-from .errors import one_line
+from .errors import RETRY_AFTER_DOWN_S, EngineError, one_line
 from .scheduler import Group, Request
 
 log = logging.getLogger("kvfleet.engine")
@@ -21,7 +21,8 @@ log = logging.getLogger("kvfleet.engine")
 
 class Orphans:
     """Requests that no dp group can take now (every group is down, some restarting), oldest first. Each
-    waits until a group comes back (`take_all`) or its deadline, when `on_expired(req)` fails it."""
+    waits until a group comes back (`take_all`) or its deadline, when it fails with a retryable EngineError
+    (a 503) and `on_expired(req)` lets the engine forget it."""
 
     def __init__(self, timeout_s: float, on_expired: Callable[[Request], None]) -> None:
         self.timeout_s = timeout_s
@@ -53,7 +54,11 @@ class Orphans:
         req.expiry = None
         if req in self.reqs and not req.done:
             self.reqs.remove(req)
+            req.done = True
             self.on_expired(req)
+            req.queue.put_nowait(EngineError(
+                f"no dp group could take the request within placement_timeout_s ({self.timeout_s:g} s): every "
+                "group is down or restarting", RETRY_AFTER_DOWN_S))
 
 
 async def restart_group(dp: int, g: Group, settings: Any, launch: Callable[[int], Awaitable[ranks.Launched]],

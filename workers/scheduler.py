@@ -13,8 +13,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import RequestFailed
 from .sampling import SamplingParams
-from .worker import NewRequest, StepPlan, Work
+from .worker import NewRequest, StepPlan, StepResult, Work
+
+
+@dataclass
+class TokenEvent:
+    token_id: int
+    finish_reason: str | None = None  # "stop" | "length" | None
 
 
 @dataclass
@@ -62,6 +69,55 @@ class Group:
     @property
     def load(self) -> int:
         return len(self.waiting) + len(self.running)
+
+    def health(self, restarting: bool) -> dict[str, Any]:
+        return {"up": self.down is None, "down": self.down, "failures": self.failures, "restarts": self.restarts,
+                "restarting": restarting, "stays_down": self.stays_down}
+
+    def finish(self, req: Request) -> None:
+        """A request is done (finished or failed): off the group, closed on its ranks next step."""
+        req.done = True
+        if req in self.running:
+            self.running.remove(req)
+        self.to_close.append(req.id)  # a tp rank that did not fail it still holds it
+
+
+def apply_result(g: Group, res: StepResult, requests: dict[str, Request],
+                 eos: tuple[int, ...]) -> list[tuple[Request, TokenEvent | RequestFailed]]:
+    """Move a group's requests on by its tp rank 0's step result; what to deliver to whom (a finished or failed
+    request is done and off the group)."""
+    out: list[tuple[Request, TokenEvent | RequestFailed]] = []
+    for rid, why in res.failed.items():
+        req = requests.get(rid)
+        if req is not None and not req.done:
+            g.finish(req)
+            out.append((req, RequestFailed(f"request {rid} failed: {why}")))
+    for rid, reused in res.reused.items():
+        if rid in requests:
+            requests[rid].known_history = reused
+    for rid in res.recomputed:
+        if rid in requests:
+            requests[rid].known_history = 0
+    for rid, (history, token) in res.ran.items():
+        req = requests.get(rid)
+        if req is None or req.done:
+            continue
+        req.known_history = history
+        if token is None:
+            continue
+        req.generated.append(token)
+        p = req.params
+        reason = None
+        if (not p.ignore_eos and token in eos) or token in p.stop_token_ids:  # any eos id stops it
+            reason = "stop"
+        elif len(req.generated) >= req.max_new:
+            reason = "length"
+        if reason is None:
+            req.append = token
+        else:
+            g.finish(req)
+        out.append((req, TokenEvent(token, reason)))
+    return out
 
 
 def plan_group(g: Group, iteration: int, s: Any) -> StepPlan:
