@@ -12,6 +12,7 @@ from workers.config import CacheSettings
 from workers.engine import Engine
 from workers.loader import load_model
 from workers.parallel import TPGroup
+from workers.transport import make_transport
 from workers.worker import RankSpec, RankWorker, build_kv_cache, layout_of
 
 _MODEL: dict = {}
@@ -75,6 +76,7 @@ async def make_engine(**overrides) -> Engine:
         return ranks.Launched(None, local, [{"layout": w.layout} for w in workers])
 
     eng._launch = launch
+    eng.transport = make_transport("actor_calls", eng.workers)  # LocalRank answers step.remote like an actor
     eng._stop = lambda workers, pgs: None
     eng.max_request_tokens = min(longest_request(w) for w in eng.rank_workers)
     eng.vocab_size = eng.rank_workers[0].model.config.vocab_size

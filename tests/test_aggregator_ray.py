@@ -47,7 +47,8 @@ def test_aggregator_killed_mid_stream_loses_and_doubles_nothing(ray_cluster):
 
 
 @pytest.mark.e2e
-def test_a_rank_killed_mid_generation_is_restarted_and_its_requests_complete(ray_cluster):
+@pytest.mark.parametrize("transport", ["compiled_graph", "actor_calls"])
+def test_a_rank_killed_mid_generation_is_restarted_and_its_requests_complete(ray_cluster, transport):
     """A real rank actor killed while its group generates: every request completes with the tokens of the run
     without the fault; records name the rank missing at once, then are complete again with a new incarnation."""
     from deployment.settings import Settings
@@ -55,8 +56,9 @@ def test_a_rank_killed_mid_generation_is_restarted_and_its_requests_complete(ray
     from workers.sampling import SamplingParams
 
     async def main():
-        eng = Engine(Settings(model="random", engine_id="t-rank-kill", dp=2, tp=1, device="cpu", max_seq_len=128,
-                              kv_cache_bytes=256 << 10, host_cache_bytes=0, restart_backoff_s=0.1))
+        eng = Engine(Settings(model="random", engine_id=f"t-rank-kill-{transport}", dp=2, tp=1, device="cpu",
+                              max_seq_len=128, kv_cache_bytes=256 << 10, host_cache_bytes=0, restart_backoff_s=0.1,
+                              step_transport=transport))
         await eng.start()
         try:
             params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

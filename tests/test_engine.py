@@ -1,8 +1,9 @@
 """The engine on the shared Ray cluster: lockstep dp ranks, continuous batching, preemption, stats, aborts.
 
-One small engine serves the whole module: dp=2 x tp=1 CPU ranks with a deliberately tiny KV cache (16 blocks
-per pool group and a small host tier), so ordinary tests exercise chunked prefill, reuse, suspension to the
-host tier and recompute. Outputs are checked against a single-process greedy reference of the same model.
+One small engine per step transport (compiled graph, actor calls) serves the module's tests: dp=2 x tp=1 CPU
+ranks with a deliberately tiny KV cache (16 blocks per pool group and a small host tier), so ordinary tests
+exercise chunked prefill, reuse, suspension to the host tier and recompute. Outputs are checked against a
+single-process greedy reference of the same model; tp=2 runs on both transports too.
 """
 
 import asyncio
@@ -20,6 +21,7 @@ from workers.engine import Engine, EngineError, RequestError
 from workers.loader import kv_cache_config, load_model
 from workers.model import SeqInput
 from workers.sampling import SamplingParams
+from workers.transport import STEP_TRANSPORTS
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 
@@ -63,10 +65,11 @@ class LoopThread:
         self.thread.join(10)
 
 
-@pytest.fixture(scope="module")
-def engine(ray_cluster):
+@pytest.fixture(scope="module", params=STEP_TRANSPORTS)
+def engine(ray_cluster, request):
     loop = LoopThread()
-    eng = loop.run_until_complete(_start(Settings(**SETTINGS)))
+    settings = Settings(**{**SETTINGS, "engine_id": f"engine-test-{request.param}", "step_transport": request.param})
+    eng = loop.run_until_complete(_start(settings))
     yield eng, loop
     loop.run_until_complete(eng.shutdown())
     loop.close()
@@ -197,3 +200,24 @@ def test_an_engine_refuses_an_aggregator_of_another_shape(ray_cluster):
         asyncio.run(eng.start())
     assert eng.workers == [], "nothing was started"
     ray.kill(agg, no_restart=True)
+
+
+@pytest.mark.parametrize("transport", STEP_TRANSPORTS)
+def test_tp2_greedy_matches_reference(ray_cluster, transport):
+    """One dp group of two tp ranks (gloo): both step each iteration and the output is the reference's."""
+    settings = Settings(**{**SETTINGS, "engine_id": f"engine-tp2-{transport}", "dp": 1, "tp": 2,
+                           "step_transport": transport})
+
+    async def run():
+        eng = await _start(settings)
+        try:
+            prompts = _prompts(eng, 3)
+            outs = await asyncio.gather(*[_collect(eng, p, 12) for p in prompts])
+            return prompts, outs, eng.steps
+        finally:
+            await eng.shutdown()
+
+    prompts, outs, steps = asyncio.run(asyncio.wait_for(run(), 600))
+    assert steps >= 12
+    for prompt, (toks, reason) in zip(prompts, outs, strict=True):
+        assert reason == "length" and toks == reference_greedy(prompt, 12)

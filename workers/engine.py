@@ -35,6 +35,7 @@ from .recovery import Orphans, restart_group
 from .sampling import SamplingParams
 from .scheduler import Group, Request, TokenEvent, apply_result, plan_group
 from .stats_channel import StatsChannel
+from .transport import Transport, make_transport
 from .worker import StepPlan, StepResult
 
 log = logging.getLogger("kvfleet.engine")
@@ -65,6 +66,7 @@ class Engine:
         self.aggregator = None
         self.stats: StatsChannel | None = None
         self.workers: list = []  # per rank: its actor, or None while its group is down
+        self.transport: Transport | None = None  # how the ranks are stepped (workers/transport.py)
         self.rank_info: list[dict] = []
         self.iteration = 0
         self.steps = 0
@@ -110,6 +112,7 @@ class Engine:
         self.rank_info = [info for group in launched for info in group.infos]
         self.max_request_tokens = min(info["max_request_tokens"] for info in self.rank_info)
         self.vocab_size = self.rank_info[0]["vocab_size"]
+        self.transport = make_transport(s.step_transport, self.workers)
         self.router.reuse_table = self.rank_info[0]["reuse_table"]
         self.router.index.max_blocks = [info["kv_slots"] for info in self.rank_info[::s.tp]]
         if s.enable_stats:
@@ -146,6 +149,8 @@ class Engine:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.stats.drained(), 5.0)
             await self.stats.close()
+        if self.transport is not None:
+            await self.transport.close()
         self._stop(self.workers, self._pgs)
         self.workers, self._pgs = [], []
 
@@ -266,7 +271,8 @@ class Engine:
                     p.iteration = self.iteration
             self.router.plan(plans)
             self._changed.clear()
-            results, deltas, missing = await ranks.step_all(self.workers, plans, self.settings.tp)
+            results, deltas, missing = await ranks.step_all(self.transport, len(self.workers), plans,
+                                                            self.settings.tp)
             self._completed = 0
             progress = False
             for dp, res in enumerate(results):
@@ -322,6 +328,7 @@ class Engine:
         g.to_close.clear()
         self._stop(self.workers[dp * tp:(dp + 1) * tp], [self._pgs[dp]])  # what is left of it
         self.workers[dp * tp:(dp + 1) * tp] = [None] * tp
+        self.transport.replace(self.workers)
         log.error("dp group %d is down: %s; re-queueing %d requests", dp, g.down, len(moved))
         if g.failures > self.settings.max_group_restarts:
             self._stays_down(dp)
@@ -353,6 +360,7 @@ class Engine:
             self._stays_down(dp)
             return
         self.workers[dp * tp:(dp + 1) * tp] = launched.workers
+        self.transport.replace(self.workers)
         self._pgs[dp] = launched.pg
         g.down = None
         g.restarts += 1

@@ -52,16 +52,19 @@ class StepFailure:
         return isinstance(self.error, ray.exceptions.RayActorError)
 
 
-async def step_all(workers: list, plans: list[StepPlan | None], tp: int) -> tuple[list, list, tuple[int, ...]]:
-    """Step every rank of each dp group that has a plan, with its group's plan. Per group: tp rank 0's result
-    (with every tp rank's failed requests), or the failure of a rank whose step raised (a dead rank first), or
-    None; then every rank's stats delta, and the ranks that gave none (not stepped, or failed)."""
-    stepped = [rank for rank in range(len(workers)) if plans[rank // tp] is not None]
-    outs = await asyncio.gather(*[workers[r].step.remote(plans[r // tp]) for r in stepped], return_exceptions=True)
+async def step_all(transport: Any, world_size: int, plans: list[StepPlan | None],
+                   tp: int) -> tuple[list, list, tuple[int, ...]]:
+    """Step every rank of each dp group that has a plan, with its group's plan, through `transport`
+    (workers/transport.py). Per group: tp rank 0's result (with every tp rank's failed requests), or the
+    failure of a rank whose step raised (a dead rank first), or None; then every rank's stats delta, and the
+    ranks that gave none (not stepped, or failed)."""
+    stepped = [rank for rank in range(world_size) if plans[rank // tp] is not None]
+    answers = await transport.step([plans[r // tp] for r in range(world_size)])
+    outs = [answers[r] for r in stepped]
     results: list = [None] * len(plans)
     deltas = [out.delta for out in outs if isinstance(out, StepResult) and out.delta is not None]
     reported = {d.rank for d in deltas}
-    missing = tuple(r for r in range(len(workers)) if r not in reported)
+    missing = tuple(r for r in range(world_size) if r not in reported)
     for rank, out in zip(stepped, outs, strict=True):
         dp, cur = rank // tp, results[rank // tp]
         if isinstance(out, BaseException):
