@@ -101,7 +101,8 @@ class KVFleetEngine:
             async for ev in self._engine.stream(req):
                 yield ev
         finally:
-            self._engine.abort(req.id)  # a no-op once it finished
+            if not req.done:  # the client left (or a stop string): free its blocks
+                self._engine.abort(req.id)
 
     async def health(self) -> dict[str, Any]:
         return await self._engine.health()

@@ -140,10 +140,7 @@ class Engine:
         await asyncio.gather(*self._restarting.values(), return_exceptions=True)
         if self._loop_task is not None:
             self._loop_task.cancel()
-            try:
-                await self._loop_task
-            except (asyncio.CancelledError, Exception):
-                pass
+            await asyncio.gather(self._loop_task, return_exceptions=True)
         self._fail_all(EngineError("the engine is shutting down"))
         if self.stats is not None:
             with contextlib.suppress(Exception):
@@ -173,7 +170,8 @@ class Engine:
             async for ev in self.stream(req):
                 yield ev
         finally:
-            self.abort(req.id)  # a no-op once it finished
+            if not req.done:  # left early: free its blocks
+                self.abort(req.id)
 
     def submit(self, request_id: str | None, prompt_token_ids: list[int], params: SamplingParams,
                cache_salt: str | None = None) -> Request:
@@ -266,9 +264,6 @@ class Engine:
             if not any(p is not None and (p.new or p.work or p.close) for p in plans):
                 self._wake.clear()
                 continue
-            for p in plans:
-                if p is not None:
-                    p.iteration = self.iteration
             self.router.plan(plans)
             self._changed.clear()
             results, deltas, missing = await ranks.step_all(self.transport, len(self.workers), plans,
