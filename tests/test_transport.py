@@ -145,7 +145,9 @@ def test_a_rank_killed_inside_an_execution_is_an_error_of_its_own(ray_cluster, k
 
 
 def _graph_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("channel.") or "Monitor" in type(t).__name__]
+    """The compiled graph's threads in this process (its channel threads, Ray's graph monitor; not tqdm's)."""
+    return [t.name for t in threading.enumerate() if t.name.startswith("channel.")
+            or (type(t).__module__.startswith("ray.") and "Monitor" in type(t).__name__)]
 
 
 def test_close_leaves_no_graph_running(cluster):
