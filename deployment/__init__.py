@@ -8,7 +8,8 @@ Modules: `settings` (the `Settings` class, the README table); `ingress` (the two
 `KVFleetEngine` owns the engine, `KVFleetIngress` serves HTTP through the engine's handle); `routes` (the app);
 `generation` (the OpenAI routes over an `EngineProtocol`); `stats_routes` and `mirror` (statistics served from
 each ingress replica's copy of the records); `protocol` (OpenAI request models and response shapes);
-`errors` (OpenAI-shaped errors); `sse` and `detokenize` (stream formats, text with stop strings); `client`
+`errors` (OpenAI-shaped errors); `auth` (API keys); `dashboard_routes` (the /dashboard page);
+`kv_events` (the /kv_events stream); `sse` and `detokenize` (stream formats, text with stop strings); `client`
 and `loadgen` (a Python client of the statistics, and a traffic generator).
 """
 

@@ -10,9 +10,14 @@ Modules, lowest first:
 - `gguf_model`, `gguf_tokenizer`: a GGUF file's config, dequantized weights and tokenizer (SmolLM2 default).
 - `loader`: loads a model directory or the built-in random model, each tp rank its slice; KV cache sizing.
 - `worker`: `RankWorker`, one rank's actor (model shard + KV cache manager); returns its stats delta per step.
-- `ranks`: an engine's rank actors, one placement group per dp group: start, tp rendezvous, stop.
-- `scheduler`: a dp group's queues and the rule that plans its step (decodes first, then prefill chunks).
-- `engine`: `Engine`, the step loop over dp groups; places requests, handles failed requests and ranks.
+- `ranks`: an engine's rank actors, one placement group per dp group: start, tp rendezvous, warm-up, stop.
+- `transport`: how the ranks are stepped each iteration: actor calls, or one Ray Compiled Graph execution.
+- `scheduler`: a dp group's queues, the rule that plans its step, and how its result moves the requests on.
+- `kv_index`, `kv_stream`, `placement`: the engine's block index from the ranks' KV events, the /kv_events
+  stream, and the router that places each request on a dp group (kv, least_loaded, round_robin).
+- `recovery`: a down dp group's restart with backoff, and the requests that wait while no group is up.
+- `engine`: `Engine`, the step loop over dp groups; admits and places requests, handles failed ranks.
 - `stats_channel`: the engine's end of the stats channel: iterations to the aggregator until acknowledged.
-- `errors`: the request rules and `RequestError` (400), `RequestFailed` (500), `EngineError` (503); no torch.
+- `errors`: the request rules and `RequestError` (400), `RequestFailed` (500), `EngineError` (503),
+  `Overloaded` (429); no torch.
 """
