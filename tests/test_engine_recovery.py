@@ -157,3 +157,25 @@ def test_a_full_waiting_queue_refuses_new_requests_and_serves_the_admitted():
         assert len(await generate(eng, PROMPTS[2], max_tokens=3, temperature=0.0)) == 3  # room again
 
     run(main())
+
+
+def test_a_shutdown_during_a_restart_removes_what_the_restart_launched():
+    async def main():
+        eng = await make_engine(dp=2)
+        stopped: list = []
+        eng._stop = lambda workers, pgs: stopped.extend(workers)
+        never = asyncio.Event()
+
+        async def stuck_prepare(launched):
+            await never.wait()
+
+        eng._prepare = stuck_prepare
+        eng.workers[1].fail = always_dead
+        got = await asyncio.gather(*[generate(eng, p, max_tokens=4, temperature=0.0) for p in PROMPTS])
+        assert all(len(t) == 4 for t in got)
+        await until(lambda: len(eng.launches) == 1, "the restart's launch")
+        await eng.shutdown()
+        assert all(any(w is s for s in stopped) for w in eng.launches[0][1])  # the new ranks went too
+        assert not eng._restarting
+
+    run(main())

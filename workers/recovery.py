@@ -75,9 +75,11 @@ async def restart_group(dp: int, g: Group, settings: Any, launch: Callable[[int]
             launched = await launch(dp)
             await prepare(launched)
             return launched
-        except Exception as e:
+        except BaseException as e:  # cancelled too (shutdown mid-restart): what was launched goes again
             if launched is not None:
                 stop(launched.workers, [launched.pg])
+            if not isinstance(e, Exception):
+                raise
             g.failures += 1
             log.error("dp group %d: restart failed (%d failures in a row): %s", dp, g.failures, one_line(e))
     return None
