@@ -16,8 +16,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from deployment.errors import APIError
 from deployment.sse import SSE_EVENT, SSE_HEADERS, format_comment, format_event
+from deployment.stats_routes import last_event_id
 
 POLL_S = 15.0  # one long poll of the engine; an idle stream sends a keepalive comment after each
 
@@ -29,14 +29,8 @@ def kv_events_router(engine: Any) -> APIRouter:
         "description": "KV events as Server-Sent Events (id: sequence number); resume with Last-Event-ID",
         "content": {"text/event-stream": {"schema": SSE_EVENT}}}})
     async def kv_events(request: Request) -> Response:
-        start = -1
-        header = request.headers.get("last-event-id")
-        if header is not None and header.strip():
-            try:
-                start = int(header)
-            except ValueError:
-                raise APIError(400, f"Last-Event-ID must be a KV event id, got {header!r}",
-                               code="invalid_last_event_id", param="Last-Event-ID") from None
+        start = last_event_id(request, "a KV event id")
+        start = -1 if start is None else start
         first = await engine.kv_events(start, 0.0)  # errors (engine down) answer here, before the stream
         return StreamingResponse(_stream(engine, start, first), media_type="text/event-stream",
                                  headers=SSE_HEADERS)

@@ -15,6 +15,19 @@ PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LIST = {"content": {"application/json": {"schema": {"type": "array", "items": {"type": "object"}}}}}
 
 
+def last_event_id(request: Request, what: str) -> int | None:
+    """A stream's resume point from the `Last-Event-ID` header (None when absent or blank); `what` the id
+    is, for the 400 a bad one gets (/stats/stream and /kv_events)."""
+    header = request.headers.get("last-event-id")
+    if header is None or not header.strip():
+        return None
+    try:
+        return int(header)
+    except ValueError:
+        raise APIError(400, f"Last-Event-ID must be {what}, got {header!r}", code="invalid_last_event_id",
+                       param="Last-Event-ID") from None
+
+
 def stats_router(stats: StatsMirror, world_size: int) -> APIRouter:
     router = APIRouter(tags=["statistics"])
 
@@ -30,17 +43,11 @@ def stats_router(stats: StatsMirror, world_size: int) -> APIRouter:
         "description": "the records as Server-Sent Events (id: iteration); resume with Last-Event-ID",
         "content": {"text/event-stream": {"schema": SSE_EVENT}}}})
     async def stats_stream(request: Request, since: int | None = Query(None, ge=-1)) -> Response:
-        start = -1 if since is None else since
-        header = request.headers.get("last-event-id")
-        if header is not None and header.strip():
-            try:
-                start = int(header)
-            except ValueError:
-                raise APIError(400, f"Last-Event-ID must be an iteration number, got {header!r}",
-                               code="invalid_last_event_id", param="Last-Event-ID") from None
-            if start < -1:
-                raise APIError(400, "Last-Event-ID must be >= -1", code="invalid_last_event_id",
-                               param="Last-Event-ID")
+        start = last_event_id(request, "an iteration number")
+        if start is None:
+            start = -1 if since is None else since
+        elif start < -1:
+            raise APIError(400, "Last-Event-ID must be >= -1", code="invalid_last_event_id", param="Last-Event-ID")
         return StreamingResponse(stats.events(start), media_type="text/event-stream", headers=SSE_HEADERS)
 
     @router.get("/stats/ranks")

@@ -173,7 +173,9 @@ class Router:
     def take_record(self) -> dict[str, Any]:
         """The `routing` field of the iteration just stepped, and a fresh tally."""
         t, self._tally = self._tally, _Tally(len(self.free))
-        top = {label for label, _ in heapq.nlargest(TOP_SALTS, self.salt_counts.items(), key=lambda kv: kv[1])}
+        # every step calls this: rank the salts only in the iterations that counted a request
+        top = {label for label, _ in heapq.nlargest(TOP_SALTS, self.salt_counts.items(), key=lambda kv: kv[1])} \
+            if t.salts else set()
         per_salt: dict[str, dict[str, int]] = {}
         for label, (n, p, r) in t.salts.items():
             key = label if label in top else "other"
