@@ -111,6 +111,8 @@ def test_the_engine_replica_killed_is_replaced_and_the_counters_go_on(app):
     new = httpx.get(f"{app}/stats?since={last_iter}", timeout=10).json()
     assert new and new[0]["iter"] > last_iter
     assert _health(app)["aggregator"]["epoch"] == 1  # the detached aggregator lived through it
+    # in its fixed namespace, so an operator's driver (or a new replica in any namespace) finds it by name
+    assert ray.get(ray.get_actor(f"kvfleet-stats-{ENGINE_ID}", namespace="kvfleet").health.remote())["ok"]
 
 
 def test_an_ingress_replica_killed_is_replaced_and_the_engine_goes_on(app):
