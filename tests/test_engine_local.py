@@ -150,3 +150,15 @@ def test_tp_ranks_agree_on_the_smallest_pool():
     for p in procs:
         p.join(60)
     assert blocks[0] == blocks[1], blocks
+
+
+def test_statistics_off_serves_the_same_tokens_and_the_ranks_report_nothing():
+    async def main():
+        on = await make_engine()
+        off = await make_engine(enable_stats=False)  # set-up read the stats layout and failed with stats off
+        assert off.rank_workers[0].layout.life_cycles == on.rank_workers[0].layout.life_cycles
+        want = await generate(on, PROMPT, max_tokens=5, temperature=0.0)
+        assert await generate(off, PROMPT, max_tokens=5, temperature=0.0) == want
+        assert off.rank_workers[0].kv.get_iteration_stats() is None
+
+    run(main())

@@ -117,12 +117,12 @@ def build_kv_cache(spec: RankSpec, cfg: Any, device: str, dtype: torch.dtype, tp
 
 
 def layout_of(kv: KVCacheManager, spec: RankSpec, incarnation: str) -> RankLayout:
-    """This rank's static stats layout, registered with the aggregator once per incarnation."""
-    report = kv.get_iteration_stats()  # at setup nothing has happened yet: this drains zeros
+    """This rank's static stats layout, registered with the aggregator once per incarnation (read from the
+    cache's configuration: it exists with statistics off too)."""
     return RankLayout(
         spec.rank, spec.dp_rank, spec.tp_rank, incarnation,
-        life_cycles=tuple((lc["id"], lc["pool_group"], lc["window_key"], lc["kind"]) for lc in report.life_cycles),
-        pool_groups=tuple((pg.id, pg.slot_bytes, tuple(pg.window_keys)) for pg in report.pool_groups))
+        life_cycles=tuple((lc.id, lc.pool_group, lc.window_key, lc.kind) for lc in kv.life_cycles),
+        pool_groups=tuple((pg.id, pg.slot_bytes, tuple(pg.window_keys)) for pg in kv.pool_groups))
 
 
 class _Req:
