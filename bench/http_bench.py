@@ -10,19 +10,25 @@ Rows (targets of issue 12):
 - 100 `/stats/stream` subscribers: lag p99 < 100 ms (lag = parse time - the record's `timestamp`);
 - the completion path through the split: a 1-token completion over HTTP (ingress -> engine handle) vs the
   same request sent straight to the engine deployment's handle (no HTTP, no ingress), p50 of each.
+
+The readers run in a process of their own (a dashboard is another client than the one generating), and on
+this shared machine they read every byte but decode only what they measure by (a poll's cursor, an event's
+iteration and timestamp): the bench charges the server for what readers cost, not the client's JSON parser.
+Each row also gives the CPU, in % of one core, that the reader process and each part of the app used.
 """
 
 import argparse
 import asyncio
-import json
+import collections
+import contextlib
+import multiprocessing as mp
 import random
 import sys
 import time
 from datetime import datetime
 
 import httpx
-
-from deployment.sse import SSEDecoder
+import psutil
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -51,6 +57,13 @@ async def _traffic(http: httpx.AsyncClient, stop: asyncio.Event, concurrency: in
     return sent
 
 
+def _cursor(body: bytes) -> int | None:
+    """The last record's `iter` of a /stats body, without decoding the rest (records are compact JSON that
+    start with their iteration: deployment/mirror.py)."""
+    at = body.rfind(b'{"iter":')
+    return None if at < 0 else int(body[at + 8:body.index(b",", at)])
+
+
 async def _poller(http: httpx.AsyncClient, stop: asyncio.Event, lat: list[float], every_s: float | None,
                   since: int = -1) -> None:
     if every_s:  # dashboards poll at their own phase: 50 polls in the same millisecond are a burst, not a load
@@ -59,9 +72,9 @@ async def _poller(http: httpx.AsyncClient, stop: asyncio.Event, lat: list[float]
         t0 = time.perf_counter()
         r = await http.get("/stats", params={"since": since, "limit": 100})
         lat.append(time.perf_counter() - t0)
-        records = r.json()
-        if records:
-            since = records[-1]["iter"]
+        last = _cursor(r.content)
+        if last is not None:
+            since = last
         if every_s:
             await asyncio.sleep(max(0.0, t0 + every_s - time.perf_counter()))
 
@@ -75,14 +88,16 @@ async def _hammer(http: httpx.AsyncClient, stop: asyncio.Event, path: str, param
 
 async def _subscriber(http: httpx.AsyncClient, stop: asyncio.Event, since: int, got: list[int],
                       lags: list[float]) -> None:
-    dec = SSEDecoder()
+    """Reads every event; decodes its `id:` (the iteration) and the record's timestamp, which the compact
+    record text carries right after its iteration."""
     async with http.stream("GET", "/stats/stream", params={"since": since}, timeout=None) as resp:
         async for line in resp.aiter_lines():
-            ev = dec.feed(line)
-            if ev is not None and ev.event == "stats":
-                rec = json.loads(ev.data)
-                lags.append(time.time() - datetime.fromisoformat(rec["timestamp"]).timestamp())
-                got.append(rec["iter"])
+            if line.startswith("id: "):
+                got.append(int(line[4:]))
+            elif line.startswith('data: {"iter":'):
+                at = line.index('"timestamp":"') + 13
+                stamp = line[at:line.index('"', at)]
+                lags.append(time.time() - datetime.fromisoformat(stamp).timestamp())
             if stop.is_set():
                 return
 
@@ -96,44 +111,96 @@ async def _latest_iter(http: httpx.AsyncClient) -> int:
         last = since = page[-1]["iter"]
 
 
-async def _phase(url: str, duration: float, traffic: int, body) -> dict:
-    limits = httpx.Limits(max_connections=300, max_keepalive_connections=300)
+ROLES = {"ProxyActor": "proxy", "KVFleetIngress": "ingress", "KVFleetEngine": "engine", "RankWorker": "ranks",
+         "StatsAggregator": "aggregator"}
+
+
+def _cpu_times() -> dict[int, tuple[str, float]]:
+    """CPU seconds so far of the app's processes on this machine, by pid, with their role."""
+    out = {}
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(proc.info["cmdline"] or [])
+        role = next((r for key, r in ROLES.items() if key in cmd), None)
+        if role is None and "ray" in cmd and "http_bench" not in cmd:
+            role = "ray-other"  # GCS, raylet, Serve's controller, ...
+        if role is not None:
+            with contextlib.suppress(psutil.Error):
+                t = proc.cpu_times()
+                out[proc.pid] = (role, t.user + t.system)
+    return out
+
+
+def _cpu_since(before: dict[int, tuple[str, float]], seconds: float) -> dict[str, float]:
+    """% of one core each role used since `before`."""
+    used: collections.Counter = collections.Counter()
+    for pid, (role, t) in _cpu_times().items():
+        if pid in before:
+            used[role] += 100 * (t - before[pid][1]) / seconds
+    return {f"cpu_{role}": round(used[role]) for role in (*ROLES.values(), "ray-other")}
+
+
+def _readers(kind: str, url: str, n: int, ready, stop, send) -> None:
+    """The reader process: `n` pollers (each once a second) or SSE subscribers until `stop` is set; sends back
+    its figures and the CPU it used itself."""
+
+    async def run() -> dict:
+        limits = httpx.Limits(max_connections=n + 10, max_keepalive_connections=n + 10)
+        async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as http:
+            stopping = asyncio.Event()
+            lat: list[float] = []
+            got: list[list[int]] = [[] for _ in range(n)]
+            if kind == "pollers":
+                tasks = [asyncio.create_task(_poller(http, stopping, lat, 1.0)) for _ in range(n)]
+            else:
+                since = await _latest_iter(http)
+                tasks = [asyncio.create_task(_subscriber(http, stopping, since, g, lat)) for g in got]
+            ready.set()
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            await asyncio.to_thread(stop.wait)
+            stopping.set()
+            cpu = 100 * (time.process_time() - cpu0) / (time.perf_counter() - t0)
+            if kind == "subscribers":
+                await asyncio.sleep(2.0)  # let subscribers drain what was emitted before the stop
+                for t in tasks:
+                    t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        out = {"cpu_readers": round(cpu)}
+        if kind == "pollers":
+            return {"polls": len(lat), "p50_ms": 1e3 * _pct(lat, 0.50), "p99_ms": 1e3 * _pct(lat, 0.99), **out}
+        gaps = sum(1 for g in got for a, b in zip(g, g[1:], strict=False) if b <= a)
+        return {"records_delivered": sum(map(len, got)), "out_of_order": gaps,
+                "lag_p50_ms": 1e3 * _pct(lat, 0.5), "lag_p99_ms": 1e3 * _pct(lat, 0.99), **out}
+
+    send.send(asyncio.run(run()))
+
+
+async def _phase(url: str, duration: float, traffic: int, readers: tuple[str, int] | None = None) -> dict:
+    """`traffic` completion workers for `duration` s, with `readers` (kind, count) in a process of their own."""
+    proc = None
+    if readers is not None:
+        ctx = mp.get_context("spawn")
+        ready, stop = ctx.Event(), ctx.Event()
+        recv, send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_readers, args=(*readers[:1], url, readers[1], ready, stop, send))
+        proc.start()
+        if not await asyncio.to_thread(ready.wait, 120):
+            raise RuntimeError("the reader process did not start")
+    limits = httpx.Limits(max_connections=traffic + 5, max_keepalive_connections=traffic + 5)
     async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as http:
-        stop = asyncio.Event()
-        bg = asyncio.create_task(_traffic(http, stop, traffic))
+        stop_traffic = asyncio.Event()
+        cpu0 = _cpu_times()
+        bg = asyncio.create_task(_traffic(http, stop_traffic, traffic))
         t0 = time.perf_counter()
-        result = await body(http, stop)
         await asyncio.sleep(duration)  # the measurement window
-        stop.set()
+        stop_traffic.set()
         elapsed = time.perf_counter() - t0
-        out = await result(elapsed)
-        out["completions"] = await bg
-        return out
-
-
-async def completions_only(url: str, duration: float, traffic: int) -> dict:
-    async def body(http, stop):
-        async def result(elapsed):
-            return {"elapsed": elapsed}
-        return result
-
-    out = await _phase(url, duration, traffic, body)
-    return {"completions_per_s": out["completions"] / out["elapsed"]}
-
-
-async def stats_latency(url: str, pollers: int, duration: float, traffic: int) -> dict:
-    async def body(http, stop):
-        lat: list[float] = []
-        tasks = [asyncio.create_task(_poller(http, stop, lat, 1.0)) for _ in range(pollers)]
-
-        async def result(elapsed):
-            await asyncio.gather(*tasks)
-            return {"elapsed": elapsed, "pollers": pollers, "polls": len(lat), "p50_ms": 1e3 * _pct(lat, 0.50),
-                    "p99_ms": 1e3 * _pct(lat, 0.99)}
-        return result
-
-    out = await _phase(url, duration, traffic, body)
-    out["completions_per_s"] = out.pop("completions") / out.pop("elapsed")
+        if proc is not None:
+            stop.set()
+        out = _cpu_since(cpu0, elapsed)
+        out["completions_per_s"] = await bg / elapsed
+    if proc is not None:
+        out.update(await asyncio.to_thread(recv.recv))
+        proc.join()
     return out
 
 
@@ -172,27 +239,6 @@ async def completion_overhead(url: str, app_name: str | None, n: int = 20) -> di
     return {"http_p50_ms": 1e3 * _pct(http_lat, 0.5), "engine_handle_p50_ms": 1e3 * _pct(handle_lat, 0.5)}
 
 
-async def sse_fanout(url: str, subscribers: int, duration: float, traffic: int) -> dict:
-    async def body(http, stop):
-        since = await _latest_iter(http)
-        got: list[list[int]] = [[] for _ in range(subscribers)]
-        lags: list[float] = []
-        tasks = [asyncio.create_task(_subscriber(http, stop, since, g, lags)) for g in got]
-
-        async def result(elapsed):
-            await asyncio.sleep(2.0)  # let subscribers drain what was emitted before the stop
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            delivered = sum(len(g) for g in got)
-            gaps = sum(1 for g in got for a, b in zip(g, g[1:], strict=False) if b <= a)
-            return {"subscribers": subscribers, "records_delivered": delivered, "out_of_order": gaps,
-                    "lag_p50_ms": 1e3 * _pct(lags, 0.5), "lag_p99_ms": 1e3 * _pct(lags, 0.99)}
-        return result
-
-    return await _phase(url, duration, traffic, body)
-
-
 def _start_local_app() -> str:
     import ray
     from ray import serve
@@ -221,11 +267,11 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     url = a.url or _start_local_app()
     app_name = None if a.url else "kvfleet-bench"
-    base = asyncio.run(completions_only(url, a.duration, a.traffic))
-    polled = asyncio.run(stats_latency(url, a.pollers, a.duration, a.traffic))
+    base = asyncio.run(_phase(url, a.duration, a.traffic))
+    polled = asyncio.run(_phase(url, a.duration, a.traffic, ("pollers", a.pollers)))
     models = asyncio.run(route_rate(url, "/v1/models", 20, a.duration))
     stats = asyncio.run(route_rate(url, "/stats", 20, a.duration))
-    sse = asyncio.run(sse_fanout(url, a.subscribers, a.duration, a.traffic))
+    sse = asyncio.run(_phase(url, a.duration, a.traffic, ("subscribers", a.subscribers)))
     split = asyncio.run(completion_overhead(url, app_name))
     rows = [
         ("completions, no reader", base),
@@ -233,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
             **polled, "completions_ratio": polled["completions_per_s"] / base["completions_per_s"]}),
         ("20 clients: /stats vs /v1/models", {"stats_per_s": stats, "models_per_s": models,
                                               "ratio": stats / models}),
-        (f"sse, {a.subscribers} subscribers", sse),
+        (f"sse, {a.subscribers} subscribers", {
+            **sse, "completions_ratio": sse["completions_per_s"] / base["completions_per_s"]}),
         ("1-token completion", {**split, "split_overhead_ms": split["http_p50_ms"] - split["engine_handle_p50_ms"]}),
     ]
     for name, row in rows:
