@@ -14,7 +14,8 @@ Rows (targets of issue 12):
 The readers run in a process of their own (a dashboard is another client than the one generating), and on
 this shared machine they read every byte but decode only what they measure by (a poll's cursor, an event's
 iteration and timestamp): the bench charges the server for what readers cost, not the client's JSON parser.
-Each row also gives the CPU, in % of one core, that the reader process and each part of the app used.
+Each row also gives the CPU, in % of one core, that the reader process and each part of the app used (the
+app's parts: only the processes on this machine, so zeros for an app elsewhere).
 """
 
 import argparse
