@@ -97,8 +97,9 @@ class Settings(BaseSettings):
     kv_events_buffer: int = Field(10_000, ge=1, description="KV events kept for `/kv_events` replay")
     step_transport: Literal["compiled_graph", "actor_calls"] = Field(
         "actor_calls", description="how the engine steps its ranks: one actor call per rank, or one Ray "
-        "Compiled Graph execution per iteration (less driver work per step, but its waiting ranks spin on "
-        "their channels, even when the engine is idle; bench/step_bench.py measures both)"
+        "Compiled Graph execution per iteration (less driver work per step, but its waiting ranks and the "
+        "engine's output reader spin on their channels, even when the engine is idle; bench/step_bench.py "
+        "measures both)"
     )
 
     @model_validator(mode="before")
