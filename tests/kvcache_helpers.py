@@ -54,3 +54,18 @@ def run_prompt(mgr, rid, prompt, extra=0, close=True, salt=None, resume=True):
     if close:
         kv.close()
     return kv
+
+
+def random_cache_op(op: str, kv, rng, prompt: list[int], max_len: int) -> None:
+    """One of the random workloads' operations on a live cache: resume, suspend, resize, or commit (when it
+    has room) what follows `prompt` in its history."""
+    if op == "resume":
+        kv.resume()
+    elif op == "suspend":
+        kv.suspend()
+    elif op == "resize":
+        kv.resize(min(max_len, max(kv.history_length, kv.capacity + rng.randint(-6, 9))))
+    elif op == "commit" and kv.is_active and kv.capacity > kv.history_length:
+        k = rng.randint(1, kv.capacity - kv.history_length)
+        h = kv.history_length
+        kv.commit((prompt[h:] + [rng.randint(0, 3) for _ in range(k)])[:k])

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from kvcache import AttentionLayerConfig as L
 from kvcache import KVCacheManager, KVCacheManagerConfig
 from kvcache.events import CLEARED, MOVED, REMOVED, STORED, block_key, key_of, prompt_keys, reuse_table, root_key
-from tests.kvcache_helpers import small_manager
+from tests.kvcache_helpers import random_cache_op, small_manager
 from workers.kv_index import KVIndex
 
 F = torch.float32
@@ -69,18 +69,10 @@ def test_the_index_equals_the_tree_after_random_workloads(layout, B, host, slots
                 kv.resume()
         else:
             kv = rng.choice(live)
-            if op == "resume":
-                kv.resume()
-            elif op == "suspend":
-                kv.suspend()
-            elif op == "resize":
-                kv.resize(min(MAX_LEN, max(kv.history_length, kv.capacity + rng.randint(-6, 9))))
-            elif op == "commit" and kv.is_active and kv.capacity > kv.history_length:
-                k = rng.randint(1, kv.capacity - kv.history_length)
-                h = kv.history_length
-                kv.commit((prompts[id(kv)][h:] + [rng.randint(0, 3) for _ in range(k)])[:k])
-            elif op == "close":
+            if op == "close":
                 kv.close()
+            else:
+                random_cache_op(op, kv, rng, prompts[id(kv)], MAX_LEN)
         if mgr.kv_events is not None:
             assert index.apply(0, mgr.kv_events.drain()), "an event did not fit the index"
             assert index.blocks[0] == tree_blocks(mgr)

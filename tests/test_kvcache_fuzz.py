@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from kvcache import AttentionLayerConfig as L
 from kvcache import KVCacheError, KVCacheManager, KVCacheManagerConfig
 from kvcache.stats import ALLOC_TOTAL, MISSED, NUM_COUNTERS, REUSED
+from tests.kvcache_helpers import random_cache_op
 
 F = torch.float32
 LAYOUTS = {
@@ -96,17 +97,7 @@ def test_random_operations_keep_every_invariant(layout, config, slots, ops):
                 kv.resume()
         else:
             kv = rng.choice(live)
-            if op == "resume":
-                kv.resume()
-            elif op == "suspend":
-                kv.suspend()
-            elif op == "resize":
-                kv.resize(min(MAX_LEN, max(kv.history_length, kv.capacity + rng.randint(-6, 9))))
-            elif op == "commit" and kv.is_active and kv.capacity > kv.history_length:
-                k = rng.randint(1, kv.capacity - kv.history_length)
-                h = kv.history_length
-                kv.commit((prompts[id(kv)][h:] + [rng.randint(0, 3) for _ in range(k)])[:k])
-            elif op == "stats":
+            if op == "stats":
                 kv.commit_pending_stats()
             elif op == "close":
                 if rng.random() < 0.5:
@@ -114,6 +105,8 @@ def test_random_operations_keep_every_invariant(layout, config, slots, ops):
                 kv.close()
             elif op == "drain":
                 drain()
+            else:
+                random_cache_op(op, kv, rng, prompts[id(kv)], MAX_LEN)
         check(mgr, caches)
     for kv in caches:
         if not kv.is_closed:
