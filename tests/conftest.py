@@ -53,5 +53,9 @@ def ray_cluster():
     ray.shutdown()
 
 
+# the e2e tests' one Serve app: defined here once, since a fixture imported into several test modules is set up
+# once per module (three deployments of the same app)
+from tests.e2e_fixtures import serve_app  # noqa: E402, F401
+
 # the HTTP route tests' fake app (module-scoped: one uvicorn server per test module that asks for it)
 from tests.http_support import http, server  # noqa: E402, F401

@@ -1,4 +1,4 @@
-"""The one Serve app shared by every e2e test of the session (import `serve_app` into a test module).
+"""The one Serve app shared by every e2e test of the session (`serve_app`, which conftest.py makes every test's).
 
 Started once on the session `ray_cluster` with small CPU reservations, on a free loopback port (other
 people's clusters may hold Serve's default 8000), and deleted at the end of the session.

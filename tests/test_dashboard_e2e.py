@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 from browser_support import browser, chart_points, dashboard_state, page  # noqa: F401  (fixtures)
-from e2e_fixtures import E2E_APP_NAME, serve_app, wait_healthy  # noqa: F401  (the session fixture)
+from e2e_fixtures import E2E_APP_NAME, wait_healthy
 
 from deployment.loadgen import make_prompts
 

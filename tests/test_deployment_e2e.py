@@ -12,7 +12,7 @@ import urllib.parse
 
 import httpx
 import pytest
-from e2e_fixtures import prometheus_query, serve_app  # noqa: F401  (the session fixture)
+from e2e_fixtures import prometheus_query
 
 from deployment.client import StatsClient
 from deployment.loadgen import run_load
@@ -89,7 +89,7 @@ def test_openai_streaming_matches_non_streaming(oai):
     assert pieces[-1].choices[0].finish_reason in ("length", "stop")
 
 
-def test_stats_counters_sum_to_cumulative_and_readers_agree(serve_app):  # noqa: F811
+def test_stats_counters_sum_to_cumulative_and_readers_agree(serve_app):
     # byte tokenizer: ~100-token prompts (max_seq_len 256) sharing 2 prefixes of ~5 blocks
     result = run_load(serve_app, requests=12, concurrency=4, prefixes=2, prefix_words=12, max_tokens=4,
                       progress=False)
@@ -106,7 +106,7 @@ def test_stats_counters_sum_to_cumulative_and_readers_agree(serve_app):  # noqa:
     assert rec["numRanks"] == 2 and rec["engineId"]
 
 
-def test_default_cache_shows_reuse_and_offload_under_loadgen_traffic(serve_app):  # noqa: F811
+def test_default_cache_shows_reuse_and_offload_under_loadgen_traffic(serve_app):
     # 8 shared prefixes of ~13 blocks: more than one rank's demo-sized primary tier holds, so blocks are
     # evicted to the host tier; the shared prefixes are reused.
     result = run_load(serve_app, requests=32, concurrency=8, prefixes=8, prefix_words=30, max_tokens=4,
@@ -116,7 +116,7 @@ def test_default_cache_shows_reuse_and_offload_under_loadgen_traffic(serve_app):
     assert result.offloaded_blocks > 0, result
 
 
-def test_sse_resumes_after_last_event_id_without_gap(serve_app):  # noqa: F811
+def test_sse_resumes_after_last_event_id_without_gap(serve_app):
     with StatsClient(serve_app) as c:
         if len(c.get_all_stats()) < 4:
             run_load(serve_app, requests=4, concurrency=2, prefixes=1, prefix_words=10, max_tokens=3,
@@ -144,7 +144,7 @@ def _read_stats_events(http: httpx.Client, headers: dict, n: int) -> list:
     return out
 
 
-def test_iter_stats_client_follows_new_records(serve_app):  # noqa: F811
+def test_iter_stats_client_follows_new_records(serve_app):
     with StatsClient(serve_app) as c:
         start = c.latest_iter()
         it = c.iter_stats(since=start)
@@ -154,7 +154,7 @@ def test_iter_stats_client_follows_new_records(serve_app):  # noqa: F811
     assert first["iter"] > start
 
 
-def test_ranks_health_and_kv_cache_stats(serve_app):  # noqa: F811
+def test_ranks_health_and_kv_cache_stats(serve_app):
     with StatsClient(serve_app) as c:
         assert c.health()["status"] == "ok"
         ranks = _poll(lambda: ((r := c.ranks()), all(r[k]["record"] for k in ("0", "1")))[::-1], 30,
@@ -164,7 +164,7 @@ def test_ranks_health_and_kv_cache_stats(serve_app):  # noqa: F811
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (make tools)")
-def test_metrics_pass_promtool(serve_app):  # noqa: F811
+def test_metrics_pass_promtool(serve_app):
     r = httpx.get(f"{serve_app}/metrics", timeout=30)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     assert REUSED_METRIC in r.text
@@ -174,7 +174,7 @@ def test_metrics_pass_promtool(serve_app):  # noqa: F811
 
 
 @pytest.mark.skipif(shutil.which("prometheus") is None, reason="prometheus not installed (make tools)")
-def test_prometheus_scrapes_and_answers_promql(serve_app, tmp_path):  # noqa: F811
+def test_prometheus_scrapes_and_answers_promql(serve_app, tmp_path):
     target = urllib.parse.urlparse(serve_app).netloc
     result = prometheus_query(target, f"sum({REUSED_METRIC})", tmp_path)
     value = float(result[0]["value"][1])
@@ -202,7 +202,7 @@ def _send(http: httpx.Client, method: str, path: str, body) -> httpx.Response:
     return http.request(method, path, json=body)
 
 
-def test_bad_input_is_rejected_before_any_rank_and_loses_nothing(serve_app):  # noqa: F811
+def test_bad_input_is_rejected_before_any_rank_and_loses_nothing(serve_app):
     with httpx.Client(base_url=serve_app, timeout=60) as http, StatsClient(serve_app) as c:
         _poll(lambda: _consistent(serve_app), 60, "stats settled before the bad requests")
         before_iter, before_stats = c.latest_iter(), c.kv_cache_stats()

@@ -5,7 +5,6 @@ import time
 
 import httpx
 import pytest
-from e2e_fixtures import serve_app  # noqa: F401  (the session fixture)
 
 from deployment.sse import SSEDecoder
 from kvcache.events import prompt_keys
@@ -49,7 +48,7 @@ def _routing_sums(http: httpx.Client, salt: str, want: int, timeout_s: float = 6
         time.sleep(0.2)  # poll interval while the mirror catches up
 
 
-def test_salted_requests_follow_their_prefix_and_the_stream_shows_their_blocks(serve_app):  # noqa: F811
+def test_salted_requests_follow_their_prefix_and_the_stream_shows_their_blocks(serve_app):
     with httpx.Client(base_url=serve_app, timeout=60) as http:
         _complete(http, PROMPT_A, "e2e-tenant-a")
         _complete(http, PROMPT_A + [9], "e2e-tenant-a")
