@@ -179,3 +179,14 @@ def test_a_shutdown_during_a_restart_removes_what_the_restart_launched():
         assert not eng._restarting
 
     run(main())
+
+
+def test_leftovers_are_an_engines_own_ranks_and_groups_not_those_of_an_id_it_prefixes():
+    from workers.ranks import left_by, pg_name, rank_name
+
+    assert left_by("engine-0", rank_name("engine-0", 3, "ab12cd34"))
+    assert left_by("engine-0", pg_name("engine-0", 1))
+    assert not left_by("engine", rank_name("engine-0", 3, "ab12cd34"))  # was killed: a prefix match
+    assert not left_by("engine", pg_name("engine-dp0", 0))
+    assert not left_by("engine-0", rank_name("engine", 0, "ab12cd34"))
+    assert not left_by("engine-0", "kvfleet-rank-engine-0-3")  # not a name the engine gives

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -82,8 +83,17 @@ def pg_name(engine_id: str, dp: int) -> str:
     return f"kvfleet-{engine_id}-dp{dp}"
 
 
-def rank_name_prefix(engine_id: str) -> str:
-    return f"kvfleet-rank-{engine_id}-"
+def rank_name(engine_id: str, rank: int, launch: str) -> str:
+    return f"kvfleet-rank-{engine_id}-{rank}-{launch}"
+
+
+def left_by(engine_id: str, name: str) -> bool:
+    """Whether a rank actor or placement group of this name is one of engine `engine_id`'s (not one of an
+    engine whose id merely starts with it: `engine` must not take `engine-0`'s ranks)."""
+    for prefix, rest in ((f"kvfleet-rank-{engine_id}-", r"\d+-[0-9a-f]{8}"), (f"kvfleet-{engine_id}-dp", r"\d+")):
+        if name.startswith(prefix) and re.fullmatch(rest, name[len(prefix):]):
+            return True
+    return False
 
 
 def backoff_s(failures: int, first_s: float) -> float:
@@ -119,7 +129,7 @@ async def start_group(settings: Any, dp: int, device: str, dtype: str) -> tuple[
             num_threads=max(1, int(s.num_cpus_per_rank)))
         strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=tp_rank)
         workers.append(actor_cls.options(
-            name=f"{rank_name_prefix(s.engine_id)}{rank}-{launch}", num_cpus=s.num_cpus_per_rank,
+            name=rank_name(s.engine_id, rank, launch), num_cpus=s.num_cpus_per_rank,
             num_gpus=1 if device == "cuda" else 0, scheduling_strategy=strategy, max_restarts=0).remote(spec))
     return pg, workers
 
@@ -178,16 +188,13 @@ def remove_leftovers(engine_id: str) -> int:
     """Kill the rank actors and remove the placement groups that an engine of this id left behind (its Serve
     replica died): a new engine starts from a clean slate. Returns how many things it removed."""
     removed = 0
-    prefix = rank_name_prefix(engine_id)
     for actor in ray.util.list_named_actors(all_namespaces=True):
-        if actor["name"].startswith(prefix):
+        if left_by(engine_id, actor["name"]):
             with contextlib.suppress(Exception):
                 ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]))
                 removed += 1
-    pg_prefix = pg_name(engine_id, 0)[:-1]
     for pg_id, info in ray.util.placement_group_table().items():
-        name = info.get("name") or ""
-        if name.startswith(pg_prefix) and name[len(pg_prefix):].isdigit() and info.get("state") != "REMOVED":
+        if left_by(engine_id, info.get("name") or "") and info.get("state") != "REMOVED":
             with contextlib.suppress(Exception):
                 remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
                 removed += 1
