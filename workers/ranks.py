@@ -116,7 +116,11 @@ async def start_group(settings: Any, dp: int, device: str, dtype: str) -> tuple[
     s = settings
     bundle = {"CPU": s.num_cpus_per_rank, **({"GPU": 1} if device == "cuda" else {})}
     pg = placement_group([bundle] * s.tp, strategy="STRICT_PACK", name=pg_name(s.engine_id, dp))
-    await asyncio.wait_for(pg.ready(), SETUP_TIMEOUT_S)
+    try:
+        await asyncio.wait_for(pg.ready(), SETUP_TIMEOUT_S)
+    except BaseException:  # not placed in time, or the launch was cancelled: the pending group must not stay
+        stop([], [pg])
+        raise
     actor_cls = ray.remote(RankWorker)
     cache = CacheSettings.of(s)
     workers = []
