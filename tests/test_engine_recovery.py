@@ -190,3 +190,19 @@ def test_leftovers_are_an_engines_own_ranks_and_groups_not_those_of_an_id_it_pre
     assert not left_by("engine", pg_name("engine-dp0", 0))
     assert not left_by("engine-0", rank_name("engine", 0, "ab12cd34"))
     assert not left_by("engine-0", "kvfleet-rank-engine-0-3")  # not a name the engine gives
+
+
+def test_requests_of_the_last_group_to_stay_down_get_one_error_each():
+    async def main():
+        eng = await make_engine(dp=1, max_group_restarts=0)
+        eng.workers[0].fail = dies_after(2)
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        reqs = [eng.submit(None, p, params) for p in PROMPTS[:2]]
+        for req in reqs:
+            with pytest.raises(EngineError, match="every dp group is down"):
+                async for _ in eng.stream(req):
+                    pass
+            assert req.queue.empty()  # one error, not one from the failure and another from the re-queue
+        assert not eng._requests and not eng._orphans.reqs and not eng._groups[0].waiting
+
+    run(main())

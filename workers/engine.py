@@ -325,17 +325,14 @@ class Engine:
         self.workers[dp * tp:(dp + 1) * tp] = [None] * tp
         self.transport.replace(self.workers)
         log.error("dp group %d is down: %s; re-queueing %d requests", dp, g.down, len(moved))
+        for req in reversed(moved):  # oldest first, ahead of what was waiting there (or orphans, if none is up)
+            req.requeue()
+            self._place(req, front=True)
         if g.failures > self.settings.max_group_restarts:
-            self._stays_down(dp)
+            self._stays_down(dp)  # the last group to stay down fails every request, these included, once
         else:
             task = self._restarting[dp] = asyncio.get_running_loop().create_task(self._restart(dp))
             task.add_done_callback(lambda _: self._restarting.pop(dp, None))
-        for req in reversed(moved):  # oldest first, ahead of what was waiting there
-            req.requeue()
-            try:
-                self._place(req, front=True)
-            except EngineError as e:
-                self._finish_failed(g, req, e)
 
     def _stays_down(self, dp: int) -> None:
         g = self._groups[dp]
