@@ -87,7 +87,13 @@ class KVEventStream:
         if after == self.seq:
             return []
         if max(oldest - 1, self.exact_from) <= after < self.seq:  # else lost, or from another engine's ids
-            return [item for item in self.buffer if item[0] > after]
+            newer = []
+            for item in reversed(self.buffer):  # ids only grow: walk back from the newest, O(new events)
+                if item[0] <= after:
+                    break
+                newer.append(item)
+            newer.reverse()
+            return newer
         return self._snapshot()
 
     def _snapshot(self) -> list[tuple[int, dict]]:

@@ -24,7 +24,7 @@ class TokenEvent:
     finish_reason: str | None = None  # "stop" | "length" | None
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: `in` / `remove` on a group's queues compare identity, not fields
 class Request:
     id: str
     prompt: list[int]
