@@ -39,14 +39,11 @@ def load_keys(spec: str) -> tuple[str, ...]:
 
 
 class KeyCheck:
-    """A FastAPI dependency: passes when no key is set, or the request's bearer token is one of the keys."""
+    """A FastAPI dependency: passes when the request's bearer token is one of the keys (routes.py installs it
+    only when keys are set)."""
 
     def __init__(self, keys: tuple[str, ...]) -> None:
         self._keys = [k.encode() for k in keys]
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self._keys)
 
     def accepts(self, token: str) -> bool:
         given = token.encode()
@@ -56,8 +53,6 @@ class KeyCheck:
         return ok
 
     async def __call__(self, creds: HTTPAuthorizationCredentials | None = _CREDENTIALS) -> None:
-        if not self._keys:
-            return
         if creds is None:
             raise APIError(401, "this server needs an API key: send 'Authorization: Bearer <key>'",
                            code="missing_api_key", headers=_CHALLENGE)
