@@ -10,6 +10,7 @@ the snapshot live in the engine (workers/kv_stream.py); polling keeps its events
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,6 +21,7 @@ from deployment.sse import SSE_EVENT, SSE_HEADERS, format_comment, format_event
 from deployment.stats_routes import last_event_id
 
 POLL_S = 15.0  # one long poll of the engine; an idle stream sends a keepalive comment after each
+logger = logging.getLogger("kvfleet.deployment")
 
 
 def kv_events_router(engine: Any) -> APIRouter:
@@ -45,4 +47,9 @@ async def _stream(engine: Any, last: int, got: list) -> AsyncIterator[str]:
             yield "".join(format_event(json.dumps(ev), id=seq, event="kv_event") for seq, ev in got)
         else:
             yield format_comment("keepalive")
-        got = await engine.kv_events(last, POLL_S)
+        try:
+            got = await engine.kv_events(last, POLL_S)
+        except Exception as exc:  # the engine's replica went away mid-stream: end it; the client resumes by id
+            logger.warning("/kv_events: ending a stream at event %d, the engine did not answer (%s)", last,
+                           type(exc).__name__)
+            return

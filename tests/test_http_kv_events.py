@@ -57,3 +57,19 @@ def test_kv_events_resync_then_resume_without_a_gap(server):
 
 def test_kv_events_refuses_a_bad_last_event_id(http):
     _assert_openai_error(http.get("/kv_events", headers={"Last-Event-ID": "seven"}), 400, "invalid_last_event_id")
+
+
+def test_a_stream_whose_engine_goes_away_ends_cleanly_at_its_last_event():
+    import asyncio
+
+    from deployment.kv_events import _stream
+
+    class Gone:
+        async def kv_events(self, after, timeout_s):
+            raise ConnectionError("the engine replica is being replaced")
+
+    async def read() -> list[str]:
+        return [chunk async for chunk in _stream(Gone(), -1, [(7, {"type": "AllBlocksCleared"})])]
+
+    chunks = asyncio.run(read())  # ends instead of raising into the server (a traceback and a cut connection)
+    assert len(chunks) == 1 and "id: 7" in chunks[0]
