@@ -3,6 +3,7 @@
 import torch
 
 from kvcache import AttentionLayerConfig, KVCacheManager, KVCacheManagerConfig
+from kvcache.events import key_of
 
 SLOT = 2 << 20  # one slot of the spec's worked examples: 2 * 4 tokens * 128 heads * 1024 dims * 2 bytes
 
@@ -69,3 +70,17 @@ def random_cache_op(op: str, kv, rng, prompt: list[int], max_len: int) -> None:
         k = rng.randint(1, kv.capacity - kv.history_length)
         h = kv.history_length
         kv.commit((prompt[h:] + [rng.randint(0, 3) for _ in range(k)])[:k])
+
+
+def tree_blocks(mgr: KVCacheManager) -> dict[int, int]:
+    """key -> tier of every block whose anchor page the manager holds (walking the tree itself)."""
+    out = {}
+    for root in mgr._roots.values():
+        stack = list(root.children.values())
+        while stack:
+            node = stack.pop()
+            page = node.pages[mgr.anchor_lc]
+            if page is not None:
+                out[key_of(node)] = page.tier
+            stack.extend(node.children.values())
+    return out

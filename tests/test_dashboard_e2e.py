@@ -116,7 +116,9 @@ def test_dashboard_follows_the_live_app_and_comes_back_after_a_restart(serve_app
     with Traffic(serve_app) as traffic:
         page.wait_for_function("(it) => window.kvDashboard.live && window.kvDashboard.lastId > it",
                                arg=first["latest"], timeout=WAIT_MS)
+        deadline = time.monotonic() + 120
         while traffic.sent < 5:
+            assert time.monotonic() < deadline, "fewer than 5 completions on the new replica in 120 s"
             time.sleep(0.2)  # a few completions on the new replica
     second = settled(serve_app, page)
     assert second["latest"] > first["latest"]

@@ -4,7 +4,7 @@ import asyncio
 
 from kvcache.events import REMOVED, KVEvent, prompt_keys
 from tests.engine_harness import generate, make_engine, settled
-from tests.test_kvcache_events import tree_blocks
+from tests.kvcache_helpers import tree_blocks
 from workers.sampling import SamplingParams
 
 B = 16

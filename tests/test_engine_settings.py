@@ -11,7 +11,7 @@ from tests.engine_harness import generate, make_engine, settled
 
 PROMPT = list(range(1, 40))
 CHANGED = [
-    {"enable_block_reuse": False}, {"enable_partial_reuse": False}, {"host_cache_bytes": 0},
+    {"enable_block_reuse": False}, {"enable_partial_reuse": False}, {"host_cache_bytes": 256 << 10},
     {"host_cache_bytes": -1}, {"tokens_per_block": 1}, {"tokens_per_block": 64}, {"max_num_seqs": 1},
     {"max_num_batched_tokens": 1}, {"enable_stats": False, "dp": 2}, {"kv_events": True},
     {"routing": "kv", "dp": 2}, {"routing": "least_loaded", "dp": 2}, {"routing": "round_robin", "dp": 2},

@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 
 from kvcache import AttentionLayerConfig as L
 from kvcache import KVCacheManager, KVCacheManagerConfig
-from kvcache.events import CLEARED, MOVED, REMOVED, STORED, block_key, key_of, prompt_keys, reuse_table, root_key
-from tests.kvcache_helpers import random_cache_op, small_manager
+from kvcache.events import CLEARED, MOVED, REMOVED, STORED, block_key, prompt_keys, reuse_table, root_key
+from tests.kvcache_helpers import random_cache_op, small_manager, tree_blocks
 from workers.kv_index import KVIndex
 
 F = torch.float32
@@ -22,20 +22,6 @@ OPS = ["create", "create", "resume", "suspend", "resize", "resize", "commit", "c
        "toggle", "resync"]
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 9, 9], [2] * 9, [], [5, 6]]
 MAX_LEN = 32
-
-
-def tree_blocks(mgr: KVCacheManager) -> dict[int, int]:
-    """key -> tier of every block whose anchor page the manager holds (walking the tree itself)."""
-    out = {}
-    for root in mgr._roots.values():
-        stack = list(root.children.values())
-        while stack:
-            node = stack.pop()
-            page = node.pages[mgr.anchor_lc]
-            if page is not None:
-                out[key_of(node)] = page.tier
-            stack.extend(node.children.values())
-    return out
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
