@@ -13,6 +13,7 @@ a 2-core laptop, where `serve run deployment:app` gives Ray exactly 2 CPUs.
 """
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -95,14 +96,10 @@ class KVFleetEngine:
                        cache_salt: str | None = None) -> AsyncIterator[Any]:
         """None once the engine has admitted the request (so the ingress answers a refusal with its status
         code, before any response starts), then its token events."""
-        req = self._engine.submit(request_id, prompt_token_ids, params, cache_salt)
-        try:
-            yield None
-            async for ev in self._engine.stream(req):
+        events = self._engine.generate(request_id, prompt_token_ids, params, cache_salt, announce=True)
+        async with contextlib.aclosing(events):  # closed when this stream is: the engine aborts the request then
+            async for ev in events:
                 yield ev
-        finally:
-            if not req.done:  # the client left (or a stop string): free its blocks
-                self._engine.abort(req.id)
 
     async def health(self) -> dict[str, Any]:
         return await self._engine.health()

@@ -163,10 +163,13 @@ class Engine:
         check_request(prompt_token_ids, params.max_tokens, self.vocab_size, self.max_model_len, self.max_seq_len)
 
     async def generate(self, request_id: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                       cache_salt: str | None = None) -> AsyncIterator[TokenEvent]:
-        """Stream a request's tokens; closing the iterator (the client went away) aborts it."""
+                       cache_salt: str | None = None, announce: bool = False) -> AsyncIterator[TokenEvent | None]:
+        """Stream a request's tokens; closing the iterator (the client went away) aborts it. `announce`: None
+        first, once the request is admitted (the ingress answers a refusal before any response starts)."""
         req = self.submit(request_id, prompt_token_ids, params, cache_salt)
         try:
+            if announce:
+                yield None
             async for ev in self.stream(req):
                 yield ev
         finally:
