@@ -174,3 +174,33 @@ def test_close_leaves_no_graph_running(cluster):
     assert not _graph_threads(), _graph_threads()
     # the ranks take ordinary calls again, and a new graph compiles over them
     assert ray.get([w.kv_snapshot.remote() for w in workers])
+
+
+def test_replace_while_an_execution_runs_lets_it_finish(ray_cluster, caplog):
+    class SlowRank:  # defined here, so Ray ships it by value (workers cannot import a test module)
+        """A rank whose step takes a while, so that an execution is in flight when replace() is called."""
+
+        def step(self, plan: StepPlan) -> int:
+            import time
+
+            time.sleep(0.5)
+            return plan.iteration
+
+    slow = [ray.remote(num_cpus=0)(SlowRank).remote() for _ in range(2)]
+
+    async def main():
+        transport = CompiledGraph(slow)
+        assert await transport.step([StepPlan(0)] * 2) == [0, 0]  # compiled
+        running = asyncio.ensure_future(transport.step([StepPlan(1)] * 2))
+        await asyncio.sleep(0.2)  # the execution has reached the ranks
+        transport.replace([slow[0], None])  # a group went down (or came back) meanwhile
+        assert await asyncio.wait_for(running, GUARD_S) == [1, 1]  # finished on the graph it started on
+        out = await asyncio.wait_for(transport.step([StepPlan(2), None]), GUARD_S)  # then one over slow[0]
+        assert out[0] == 2 and out[1] is None
+        await transport.close()
+
+    with caplog.at_level("WARNING", logger="kvfleet.transport"):
+        asyncio.run(main())
+    assert not [r for r in caplog.records if "failed" in r.getMessage()], "the execution was torn down"
+    for a in slow:
+        ray.kill(a)

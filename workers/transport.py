@@ -130,6 +130,7 @@ class CompiledGraph:
         self._members: list[int] = []  # the ranks in the graph, in its output order
         self._loop_ended: asyncio.Future | None = None  # done when any rank's graph loop ends (a rank died)
         self._seq = 0
+        self._stale = False  # set by replace(): the graph is over ranks that are no longer the live ones
 
     def _compile(self) -> None:
         from ray.dag import InputNode, MultiOutputNode
@@ -153,6 +154,9 @@ class CompiledGraph:
                 out[r] = _no_actor(r)
         if not any(plans[r] is not None for r, w in enumerate(self.workers) if w is not None):
             return out
+        if self._stale:  # the ranks changed since the graph was compiled (no execution runs now)
+            self._stale = False
+            await self._close_graph()
         if self.graph is None:
             self._compile()
         self._seq += 1
@@ -232,9 +236,10 @@ class CompiledGraph:
             pool.shutdown(wait=False, cancel_futures=True)
 
     def replace(self, workers: list[ActorHandle | None]) -> None:
-        """The live ranks changed: tear the graph down; the next step compiles one over `workers`."""
-        self._teardown()
+        """The live ranks changed: the next step tears the graph down and compiles one over `workers`. Not
+        here: a group's restart calls this while an execution may be in flight, which must finish first."""
         self.workers = list(workers)
+        self._stale = True
 
     async def close(self) -> None:
         await self._close_graph()
