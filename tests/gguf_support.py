@@ -48,8 +48,9 @@ GGUF_NAMES = {"input_layernorm.weight": "attn_norm.weight", "post_attention_laye
 
 
 def write_gguf(path: Path, weights: dict[str, torch.Tensor], cfg: ModelConfig = TINY, *, arch: str = "llama",
-               quant: str = "F32", skip: tuple[str, ...] = ()) -> Path:
-    """A GGUF file in llama.cpp's layout: GGUF names, Q/K permuted, 2-D tensors stored as `quant`."""
+               quant: str = "F32", skip: tuple[str, ...] = (), rope_scaling: tuple[str, float] | None = None) -> Path:
+    """A GGUF file in llama.cpp's layout: GGUF names, Q/K permuted, 2-D tensors stored as `quant`;
+    `rope_scaling` = (rope.scaling.type, factor)."""
     import gguf
 
     w = gguf.GGUFWriter(str(path), arch)
@@ -60,6 +61,9 @@ def write_gguf(path: Path, weights: dict[str, torch.Tensor], cfg: ModelConfig = 
     w.add_head_count(cfg.num_heads)
     w.add_head_count_kv(cfg.num_kv_heads)
     w.add_rope_freq_base(cfg.rope_theta)
+    if rope_scaling is not None:
+        w.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling[0]))
+        w.add_rope_scaling_factor(rope_scaling[1])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_dimension_count(cfg.head_dim)
     w.add_vocab_size(cfg.vocab_size)

@@ -93,6 +93,16 @@ def test_bad_gguf_files_are_named_with_what_is_wrong(tmp_path, case, message):
         assert str(path) in str(exc.value)
 
 
+@pytest.mark.parametrize("kind", ["yarn", "longrope"])
+def test_rope_scaling_we_do_not_implement_is_refused(tmp_path, kind):
+    """Plain RoPE in place of yarn (or any other scaling) would serve wrong logits without a word."""
+    path = write_gguf(tmp_path / f"{kind}.gguf", tiny_hf_weights(), rope_scaling=(kind, 4.0))
+    with pytest.raises(GGUFError, match=rf"{kind}.gguf.*llama.rope.scaling.type '{kind}' is not supported"):
+        check_gguf(path)
+    linear = write_gguf(tmp_path / "linear.gguf", tiny_hf_weights(), rope_scaling=("linear", 4.0))
+    assert check_gguf(linear).rope_scaling == {"rope_type": "linear", "factor": 4.0}
+
+
 def test_engine_rejects_a_bad_model_before_any_rank(tmp_path):
     """Engine() checks the model in its constructor, before start() creates a rank (no Ray needed)."""
     from deployment.settings import Settings

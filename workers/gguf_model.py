@@ -133,8 +133,12 @@ def gguf_config(reader: Any, path: str) -> ModelConfig:
     if vocab is None:
         raise GGUFError(f"GGUF file {path!r} names no vocabulary size and has no token_embd.weight")
     scaling = None
-    if field(reader, f"{arch}.rope.scaling.type", "none") == "linear":
+    kind = field(reader, f"{arch}.rope.scaling.type", "none")
+    if kind == "linear":
         scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+    elif kind != "none":  # yarn, longrope, ...: serving them with plain RoPE would be silently wrong
+        raise GGUFError(f"GGUF file {path!r}: {arch}.rope.scaling.type {kind!r} is not supported "
+                        "(supported: none, linear)")
     eos = field(reader, "tokenizer.ggml.eos_token_id")
     bos = field(reader, "tokenizer.ggml.bos_token_id")
     try:
