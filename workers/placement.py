@@ -96,7 +96,9 @@ class Router:
         its predicted reuse; returns the group. The caller queues it there."""
         if req.block_keys is None:
             req.block_keys = self.keys(req.prompt, req.cache_salt)
-        req.dp, req.predicted = self.choose(req.block_keys, len(req.prompt), groups, up)
+        req.dp, predicted = self.choose(req.block_keys, len(req.prompt), groups, up)
+        if not req.counted:  # a request moved off a dead group after its first commit is not counted again
+            req.predicted = predicted
         req.hit_tokens = self._last_hits * self.B
         return req.dp
 
@@ -169,6 +171,7 @@ class Router:
             self.salt_counts.setdefault(label, n)
         self._tally.add(dp, label, req.predicted, realized)
         req.predicted = -1  # counted once, on its first commit
+        req.counted = True
 
     def take_record(self) -> dict[str, Any]:
         """The `routing` field of the iteration just stepped, and a fresh tally."""
