@@ -73,12 +73,14 @@ async def make_engine(**overrides) -> Engine:
         if eng.on_launch is not None:
             eng.on_launch(dp, local)
         eng.rank_workers[dp * s.tp:(dp + 1) * s.tp] = workers
-        return ranks.Launched(None, local, [{"layout": w.layout} for w in workers])
+        return ranks.Launched(None, local, [{"layout": w.layout, "max_request_tokens": longest_request(w)}
+                                            for w in workers])
 
     eng._launch = launch
     eng.transport = make_transport("actor_calls", eng.workers)  # LocalRank answers step.remote like an actor
     eng._stop = lambda workers, pgs: None
-    eng.max_request_tokens = min(longest_request(w) for w in eng.rank_workers)
+    for dp in range(s.dp):  # what Engine.start takes from the ranks' setup
+        eng._set_limit(dp, [{"max_request_tokens": longest_request(w)} for w in eng.rank_workers[dp * s.tp:][:s.tp]])
     eng.vocab_size = eng.rank_workers[0].model.config.vocab_size
     eng.router.reuse_table = reuse_table(eng.rank_workers[0].kv)  # what Engine.start takes from the ranks' setup
     eng.router.index.max_blocks = [sum(p.num_slots for p in w.kv._pools) for w in eng.rank_workers[::s.tp]]

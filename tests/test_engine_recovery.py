@@ -3,6 +3,7 @@ run without the fault, the group is restarted and serves again, or stays down af
 request nobody can take gets its 503 at its deadline; a full waiting queue refuses with 429."""
 
 import asyncio
+import types
 
 import pytest
 import ray
@@ -206,3 +207,54 @@ def test_requests_of_the_last_group_to_stay_down_get_one_error_each():
         assert not eng._requests and not eng._orphans.reqs and not eng._groups[0].waiting
 
     run(main())
+
+
+def test_a_request_a_smaller_restarted_cache_can_never_hold_fails_instead_of_waiting_forever():
+    """On CUDA a restarted group's cache is sized from the memory free then: it may hold less than before."""
+    async def main():
+        from tests import engine_harness as h
+        from workers import ranks
+        from workers.errors import RequestError
+
+        eng = await make_engine(dp=1)
+        before = eng.max_model_len
+        small = eng.settings.model_copy(update={"kv_cache_bytes": 96 << 10})
+
+        async def launch(dp):
+            w = h.make_rank(small, dp)
+            eng.rank_workers[dp] = w
+            return ranks.Launched(None, [h.LocalRank(w)], [{"layout": w.layout,
+                                                             "max_request_tokens": h.longest_request(w)}])
+
+        eng._launch = launch
+        eng.workers[0].fail = dies_after(0)
+        with pytest.raises(RequestError, match="needs 127 tokens .* hold at most 32") as exc:
+            await asyncio.wait_for(generate(eng, list(range(1, 120)), max_tokens=8, ignore_eos=True), 30)
+        assert exc.value.code == "context_length_exceeded"
+        assert eng.max_model_len == 32 < before  # what /v1/models and the ingress's checks advertise
+        with pytest.raises(RequestError, match="maximum context length is 32"):
+            await generate(eng, list(range(1, 40)), max_tokens=8)
+        assert len(await generate(eng, [1, 2, 3], max_tokens=8, ignore_eos=True)) == 8  # what fits is served
+
+    run(main())
+
+
+def test_a_request_moved_off_a_dead_group_is_counted_once_in_routing():
+    async def main():
+        eng = await make_engine(dp=2, routing="kv")
+        its = []
+        eng.stats = types.SimpleNamespace(put=its.append, register=_noop, drained=_noop, close=_noop)
+        eng.workers[1].fail = dies_after(4)
+        got = await asyncio.gather(*[generate(eng, p, max_tokens=12, temperature=0.0, ignore_eos=True)
+                                     for p in PROMPTS])
+        assert all(len(t) == 12 for t in got)
+        await until(lambda: eng._groups[1].down is None, "the restart")
+        routed = [it.routing for it in its]
+        assert sum(r["requests"] for r in routed) == len(PROMPTS)
+        assert sum(sum(r["perGroupRequests"]) for r in routed) == len(PROMPTS)
+
+    run(main())
+
+
+async def _noop(*args):
+    return None

@@ -62,6 +62,7 @@ class Engine:
         self.max_seq_len = settings.max_seq_len
         self.world_size = settings.dp * settings.tp
         self.max_request_tokens = settings.max_seq_len
+        self._limits = [settings.max_seq_len] * settings.dp  # per dp group: the longest request its ranks hold
         self.vocab_size = 0
         self.aggregator = None
         self.stats: StatsChannel | None = None
@@ -110,7 +111,8 @@ class Engine:
             self._pgs.append(group.pg)
             self.workers += group.workers
         self.rank_info = [info for group in launched for info in group.infos]
-        self.max_request_tokens = min(info["max_request_tokens"] for info in self.rank_info)
+        for dp, group in enumerate(launched):
+            self._set_limit(dp, group.infos)
         self.vocab_size = self.rank_info[0]["vocab_size"]
         self.transport = make_transport(s.step_transport, self.workers)
         self.router.reuse_table = self.rank_info[0]["reuse_table"]
@@ -157,6 +159,15 @@ class Engine:
         """The longest request (prompt + completion) served: max_seq_len, or less when one rank's KV cache
         holds less. Advertised by /v1/models and enforced here, so a request is never silently cut short."""
         return min(self.max_seq_len, self.max_request_tokens)
+
+    def _set_limit(self, dp: int, infos: list[dict]) -> None:
+        """Group `dp`'s ranks hold requests up to this many tokens (each (re)start sizes its caches anew: on
+        CUDA from the memory free then); what the engine admits is the least of every group's."""
+        self._limits[dp] = min(info["max_request_tokens"] for info in infos)
+        before, self.max_request_tokens = self.max_request_tokens, min(self._limits)
+        if self.max_request_tokens != before and self.steps:
+            log.warning("dp group %d holds requests up to %d tokens: the engine now admits up to %d (was %d)",
+                        dp, self._limits[dp], self.max_model_len, min(self.max_seq_len, before))
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestError for a request that must never reach a rank (workers.errors.check_request)."""
@@ -243,7 +254,9 @@ class Engine:
     def _place(self, req: Request, front: bool = False) -> None:
         """Queue a request on the dp group that `routing` picks among those up; while none is, it waits (an
         orphan) until a restarted group takes it or its placement deadline fails it. Re-queued go `front`."""
-        up = [dp for dp, g in enumerate(self._groups) if g.down is None]
+        need = len(req.prompt) + req.max_new
+        fits = [dp for dp, g in enumerate(self._groups) if not g.stays_down and need <= self._limits[dp]]
+        up = [dp for dp in fits if self._groups[dp].down is None]
         if up:
             self.router.place(req, self._groups, up)  # sets req.dp (workers/placement.py)
             waiting = self._groups[req.dp].waiting
@@ -252,6 +265,11 @@ class Engine:
             return
         if all(g.stays_down for g in self._groups):
             raise EngineError("every dp group is down", RETRY_AFTER_DOWN_S)
+        if not fits:  # admitted before a group came back with a smaller cache: no group will ever hold it
+            raise RequestError(
+                f"this request needs {need} tokens ({len(req.prompt)} in the prompt, {req.max_new} in the "
+                f"completion), but since a restart the dp groups' KV caches hold at most {max(self._limits)}",
+                "context_length_exceeded")
         self._orphans.add(req)
 
     # ---- the step loop -----------------------------------------------------------------------------------------
@@ -330,7 +348,7 @@ class Engine:
         log.error("dp group %d is down: %s; re-queueing %d requests", dp, g.down, len(moved))
         for req in reversed(moved):  # oldest first, ahead of what was waiting there (or orphans, if none is up)
             req.requeue()
-            self._place(req, front=True)
+            self._replace(req, front=True)
         if g.failures > self.settings.max_group_restarts:
             self._stays_down(dp)  # the last group to stay down fails every request, these included, once
         else:
@@ -357,12 +375,23 @@ class Engine:
         self.workers[dp * tp:(dp + 1) * tp] = launched.workers
         self.transport.replace(self.workers)
         self._pgs[dp] = launched.pg
+        self._set_limit(dp, launched.infos)
         g.down = None
         g.restarts += 1
         log.info("dp group %d back in service (restart %d)", dp, g.restarts)
         for req in self._orphans.take_all():
-            self._place(req)
+            self._replace(req)
         self._poke()
+
+    def _replace(self, req: Request, front: bool = False) -> None:
+        """Place an admitted request again (its group died, or it waited for one to come back); one that no
+        group can take any more fails with its error instead."""
+        try:
+            self._place(req, front)
+        except (RequestError, EngineError) as e:
+            req.done = True
+            self._requests.pop(req.id, None)
+            req.queue.put_nowait(e)
 
     async def _prepare(self, launched: ranks.Launched) -> None:
         """A restarted group before it serves: warmed up, its new incarnations registered for statistics."""
