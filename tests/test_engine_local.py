@@ -162,3 +162,26 @@ def test_statistics_off_serves_the_same_tokens_and_the_ranks_report_nothing():
         assert off.rank_workers[0].kv.get_iteration_stats() is None
 
     run(main())
+
+
+def test_a_bug_in_the_step_loop_fails_the_engine_and_its_health_instead_of_hanging():
+    """Without the guard the loop task died, requests waited forever and /health (and Serve's check) passed."""
+    from workers.errors import EngineError
+
+    async def main():
+        eng = await make_engine()
+        assert len(await generate(eng, PROMPT, max_tokens=2)) == 2
+
+        def bug(plans):
+            raise KeyError("a bug")
+
+        eng.router.plan = bug
+        with pytest.raises(EngineError, match="step loop failed: KeyError"):
+            await asyncio.wait_for(generate(eng, PROMPT, max_tokens=2), 10)
+        assert eng.error and eng._loop_task.done()
+        with pytest.raises(EngineError, match="step loop failed"):
+            await eng.health()
+        with pytest.raises(EngineError, match="step loop failed"):  # refused at once, not queued
+            await generate(eng, PROMPT, max_tokens=2)
+
+    run(main())

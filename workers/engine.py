@@ -278,6 +278,17 @@ class Engine:
         self._changed.set()
 
     async def _loop(self) -> None:
+        """The step loop, guarded: a bug raised in it must not leave an engine that admits requests and never
+        steps while its health check passes. The engine fails instead (every request gets a retryable 503,
+        /health and Serve's check_health fail), and Serve replaces the replica."""
+        try:
+            await self._steps()
+        except Exception as e:
+            log.exception("the step loop failed; the engine stops serving")
+            self.error = f"the engine's step loop failed: {one_line(e)}"
+            self._fail_all(EngineError(self.error, RETRY_AFTER_DOWN_S))
+
+    async def _steps(self) -> None:
         pause = 0.0
         while True:
             await self._wake.wait()
