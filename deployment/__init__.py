@@ -2,7 +2,7 @@
 
 `serve run deployment:app` starts it with settings from `KVFLEET_*` environment variables (defaults run
 on a CPU-only machine); `serve run deployment:build_app key=value ...` takes settings as arguments.
-Importing this package binds the application but starts nothing (no Ray, no engine).
+Importing this package starts nothing (no Ray, no engine); `deployment.app` is built when first read.
 
 Modules: `settings` (the `Settings` class, the README table); `ingress` (the two Serve deployments:
 `KVFleetEngine` owns the engine, `KVFleetIngress` serves HTTP through the engine's handle); `routes` (the app);
@@ -13,8 +13,18 @@ each ingress replica's copy of the records); `protocol` (OpenAI request models a
 and `loadgen` (a Python client of the statistics, and a traffic generator).
 """
 
+from typing import Any
+
 from deployment.ingress import KVFleetEngine, KVFleetIngress, build_app
 
-app = build_app({})
+
+def __getattr__(name: str) -> Any:
+    """`deployment.app`, built (settings and model checked) when first read, as `serve run deployment:app`
+    does: importing the package stays light, while a bad setting or model file fails the command at once."""
+    if name == "app":
+        globals()["app"] = build_app({})
+        return globals()["app"]
+    raise AttributeError(f"module 'deployment' has no attribute {name!r}")
+
 
 __all__ = ["KVFleetEngine", "KVFleetIngress", "app", "build_app"]

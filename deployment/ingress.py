@@ -220,8 +220,20 @@ def parse_settings(args: dict[str, Any] | None) -> Settings:
         raise ValueError(f"invalid kvfleet settings: {problems} (known settings: {known})") from None
 
 
+def check_model_setting(settings: Settings) -> None:
+    """The model file and tp, checked where the app is built: a bad one fails `serve run` (or a RayService's
+    deploy) once, with one line naming the file, instead of failing every engine replica's constructor."""
+    from workers.models import check_model  # no torch; reads the file's header
+
+    try:
+        check_model(settings.model or None, settings.tp)
+    except ValueError as exc:
+        raise ValueError(f"invalid kvfleet settings: {exc}") from None
+
+
 def build_app(args: dict[str, Any] | None = None) -> Application:
     """`serve run deployment:build_app tp=2 ...` and Serve configs' `args:` land here."""
     settings = parse_settings(args)
+    check_model_setting(settings)
     engine = KVFleetEngine.bind(settings)
     return KVFleetIngress.options(num_replicas=settings.ingress_replicas).bind(settings, engine)

@@ -49,6 +49,31 @@ def test_build_app_binds_without_starting_ray():
     assert app is not None and KVFleetIngress.name == "KVFleetIngress"
 
 
+@pytest.mark.parametrize("args,needle", [
+    ("model={tmp}/missing.gguf", "GGUF file '{tmp}/missing.gguf' does not exist"),
+    ("tp=2", "model 'smollm2-135m-instruct': tensor parallelism: num_kv_heads (3) is not divisible by tp_size (2)"),
+], ids=["missing-file", "bad-tp"])
+def test_serve_run_with_a_bad_model_fails_at_once_naming_it(tmp_path, args, needle):
+    """It exited 0 after the engine's constructor had failed three times inside Serve's controller."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVFLEET_")} | {"RAY_USAGE_STATS_ENABLED": "0"}
+    cmd = [str(pathlib.Path(sys.executable).parent / "serve"), "run", "deployment:build_app",
+           args.format(tmp=tmp_path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert out.returncode != 0
+    last = (out.stdout + out.stderr).strip().splitlines()[-1]
+    assert last.startswith("ValueError: invalid kvfleet settings: ") and needle.format(tmp=tmp_path) in last
+    assert "Started a local Ray instance" not in out.stdout + out.stderr  # nothing was deployed
+
+
+def test_the_default_app_is_built_when_read(monkeypatch, tmp_path):
+    import deployment
+
+    monkeypatch.setenv("KVFLEET_MODEL", str(tmp_path / "gone.gguf"))
+    monkeypatch.delitem(deployment.__dict__, "app", raising=False)
+    with pytest.raises(ValueError, match="gone.gguf' does not exist"):
+        deployment.app  # noqa: B018  (what `serve run deployment:app` reads)
+
+
 def test_settings_table_lists_every_field():
     table = settings_table_markdown()
     for name, field in Settings.model_fields.items():

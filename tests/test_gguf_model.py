@@ -6,7 +6,8 @@ from gguf_support import TINY, tiny_hf_weights, write_gguf
 from test_model_support import make_manager, teacher_forced_logits
 
 from workers.gguf_model import GGUFError, check_gguf
-from workers.loader import _build, _DictSource, _load_weights, check_model, load_model, load_tokenizer, resolve_model
+from workers.loader import _build, _DictSource, _load_weights, load_model, load_tokenizer
+from workers.models import check_model, resolve_model
 
 
 def _reference(weights):

@@ -9,7 +9,8 @@ from test_model_support import greedy, make_manager, save_hf_model, teacher_forc
 
 from kvcache import KVCacheManager
 from workers.config import CacheSettings
-from workers.loader import default_config, kv_cache_config, load_model
+from workers.loader import kv_cache_config, load_model
+from workers.models import default_config
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,8 @@ from aggregator.delta import Iteration
 
 from . import ranks
 from .errors import RETRY_AFTER_DOWN_S, EngineError, Overloaded, RequestError, RequestFailed, check_request, one_line
-from .loader import check_model, load_tokenizer
+from .loader import load_tokenizer
+from .models import check_model
 from .placement import Router
 from .recovery import Orphans, restart_group
 from .sampling import SamplingParams
