@@ -2,7 +2,7 @@
 
 import asyncio
 
-from kvcache.events import REMOVED, KVEvent, prompt_keys
+from kvcache.events import REMOVED, KVEvent, key_of, prompt_keys
 from tests.engine_harness import generate, make_engine, settled
 from tests.kvcache_helpers import tree_blocks
 from workers.sampling import SamplingParams
@@ -103,6 +103,38 @@ def test_bad_events_resync_the_group_from_a_snapshot():
         await settled(eng)
         assert eng.router.index.blocks[0] == tree_blocks(eng.rank_workers[0].kv) != {}
         assert eng.router.index.prefix(0, prompt_keys(TENANT_A, B)) == (6, 0)
+
+    run(main())
+
+
+def salted_keys(mgr, salt) -> set[int]:
+    """The key of every block the manager's reuse tree holds under `salt`."""
+    stack, keys = list(mgr._roots[(type(salt), salt)].children.values()), set()
+    while stack:
+        node = stack.pop()
+        keys.add(key_of(node))
+        stack.extend(node.children.values())
+    return keys
+
+
+def test_a_salted_prompt_never_leaves_the_engine_on_kv_events():
+    async def main():
+        eng = await make_engine(dp=1, kv_cache_bytes=2 << 20, max_seq_len=256)
+        stream = eng.router.stream
+        stream.since(-1)  # a /kv_events client listens: every event is kept in the replay buffer
+        await ask(eng, TENANT_A + [200], salt="tenant-a")
+        await ask(eng, TENANT_B + [200])
+        await settled(eng)
+        eng.router.drop_group(0)  # the next step publishes the rank's snapshot of every block it holds
+        await ask(eng, TENANT_B + [201])
+        await settled(eng)
+        mine = salted_keys(eng.rank_workers[0].kv, "tenant-a")
+        events = [ev for _, ev in stream.buffer] + [ev for _, ev in stream.since(-1)]  # live, rank and index snapshots
+        stored = [ev for ev in events if ev["type"] == "BlockStored"]
+        salted = [ev for ev in stored if set(ev["block_hashes"]) & mine]
+        assert len(salted) > len(mine)  # every salted block, live and in both snapshots, by its hash
+        assert all(ev["token_ids"] == [] for ev in salted), "a salted prompt's tokens reached /kv_events"
+        assert any(ev["token_ids"] == TENANT_B[:B] for ev in stored)  # unsalted blocks still carry theirs
 
     run(main())
 

@@ -7,7 +7,8 @@ reconnects with `Last-Event-ID` resumes without a gap while its events are buffe
 (no tokens, no parent: the keys and the medium are what a router needs), all with the newest id, then the
 live events after it. Events are converted only while someone
 listens (a poll within `placement.LISTEN_S`, or buffering asked for), so an idle stream costs nothing.
-Keys are unsigned 64-bit ints; the salt is in them and is never shown.
+Keys are unsigned 64-bit ints; the salt is in them and is never shown. A salted block's `BlockStored` carries
+no tokens (`token_ids` is empty): a router keys by hash, and the tokens are the tenant's prompt.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def vllm_event(ev: KVEvent, dp: int, block_size: int, ts: float) -> list[dict[st
         return [{"type": "BlockRemoved", "block_hashes": [ev.key], "medium": MEDIUM[1 - ev.tier], "dp_rank": dp,
                  "ts": ts}, _stored([ev.key], None, [], block_size, ev.tier, dp, ts)]
     assert ev.kind == STORED
-    return [_stored([ev.key], ev.parent, list(ev.tokens), block_size, ev.tier, dp, ts)]
+    tokens = list(ev.tokens) if ev.salt is None else []  # a salted prompt is its tenant's: only keys leave
+    return [_stored([ev.key], ev.parent, tokens, block_size, ev.tier, dp, ts)]
 
 
 def _stored(keys: list[int], parent: int | None, tokens: list[int], block_size: int, tier: int, dp: int,
