@@ -6,7 +6,7 @@ from aggregator.assembler import Assembler
 from aggregator.delta import Iteration
 from aggregator.metrics import render_metrics
 from deployment.settings import Settings
-from kvcache.events import CLEARED, MOVED, REMOVED, STORED, KVEvent, prompt_keys
+from kvcache.events import CLEARED, MOVED, REMOVED, STORED, KVEvent, block_key, prompt_keys
 from workers.kv_stream import KVEventStream
 from workers.placement import TOP_SALTS, Router, group_load, salt_label
 from workers.sampling import SamplingParams
@@ -98,7 +98,7 @@ def test_the_routing_record_sums_are_exact_per_salt_top_16_and_other():
     for k in ("requests", "predictedReusedBlocks", "realizedReusedBlocks"):
         assert sum(s[k] for s in per.values()) == rec[k if k != "requests" else "requests"]
     assert per[salt_label(None)]["requests"] == 4  # the most frequent "salt" is no salt
-    assert "tenant-1" not in str(rec)  # salts are named by their key, never shown
+    assert "tenant-1" not in str(rec)  # salts are named by a label, never shown
     assert r.take_record()["requests"] == 0  # a fresh tally per record
 
 
@@ -157,3 +157,11 @@ def test_a_stream_nobody_listens_to_converts_nothing():
     s.publish(0, [KVEvent(STORED, 1)])
     assert not s.buffer and s.exact_from == s.seq == 1  # a marked gap: a later client resyncs
     assert s.since(0)[0][1]["resync"]
+
+
+def test_a_salt_label_does_not_let_a_reader_hash_the_salts_prompts():
+    prompt = list(range(2 * B))
+    for salt in ("tenant-a", "t"):
+        label = int(salt_label(salt), 16)  # what /stats shows of the salt
+        assert block_key(label, prompt[:B]) != prompt_keys(prompt, B, salt)[0]  # not the chain's root
+        assert salt_label(salt) == salt_label(salt) != salt_label(salt + "x")  # stable, one per salt
