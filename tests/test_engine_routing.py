@@ -121,7 +121,7 @@ def test_a_salted_prompt_never_leaves_the_engine_on_kv_events():
     async def main():
         eng = await make_engine(dp=1, kv_cache_bytes=2 << 20, max_seq_len=256)
         stream = eng.router.stream
-        stream.since(-1)  # a /kv_events client listens: every event is kept in the replay buffer
+        stream.since(None)  # a /kv_events client listens: every event is kept in the replay buffer
         await ask(eng, TENANT_A + [200], salt="tenant-a")
         await ask(eng, TENANT_B + [200])
         await settled(eng)
@@ -129,7 +129,7 @@ def test_a_salted_prompt_never_leaves_the_engine_on_kv_events():
         await ask(eng, TENANT_B + [201])
         await settled(eng)
         mine = salted_keys(eng.rank_workers[0].kv, "tenant-a")
-        events = [ev for _, ev in stream.buffer] + [ev for _, ev in stream.since(-1)]  # live, rank and index snapshots
+        events = [ev for _, ev in stream.buffer] + [ev for _, ev in stream.since(None)]  # live + snapshots
         stored = [ev for ev in events if ev["type"] == "BlockStored"]
         salted = [ev for ev in stored if set(ev["block_hashes"]) & mine]
         assert len(salted) > len(mine)  # every salted block, live and in both snapshots, by its hash
