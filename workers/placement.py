@@ -158,7 +158,9 @@ class Router:
                 self._count(req, dp, realized)
 
     def drop_group(self, dp: int) -> None:
-        """A group went down or restarts with an empty cache (the engine calls this)."""
+        """What the engine knows of a group's cache is gone: the group went down, restarts with an empty cache,
+        or a step of it raised and its events were lost (the engine calls this). Its rank's next snapshot
+        rebuilds it, on the index and on the stream."""
         self.index.drop_group(dp)
         self.stream.cleared(dp)
 
