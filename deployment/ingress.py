@@ -104,7 +104,7 @@ class KVFleetEngine:
     async def health(self) -> dict[str, Any]:
         return await self._engine.health()
 
-    async def kv_events(self, after: int, timeout_s: float) -> list[tuple[int, dict]]:
+    async def kv_events(self, after: str | None, timeout_s: float) -> list[tuple[str, dict]]:
         """Long poll of the KV event stream (workers/kv_stream.py): (id, vLLM-shaped event) after `after`."""
         return await self._engine.router.stream.wait(after, timeout_s)
 
@@ -161,7 +161,7 @@ class EngineClient:
         except Exception as e:
             raise _engine_error(e) from None
 
-    async def kv_events(self, after: int, timeout_s: float) -> list[tuple[int, dict]]:
+    async def kv_events(self, after: str | None, timeout_s: float) -> list[tuple[str, dict]]:
         try:
             return await self._h.kv_events.remote(after, timeout_s)
         except Exception as e:

@@ -1,10 +1,11 @@
 """`GET /kv_events`: the engine's KV block events as Server-Sent Events, in vLLM's KV event shape.
 
 Each event is one `data:` JSON object (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`, with `dp_rank` and
-`medium`), its `id:` the engine's sequence number. A client reconnecting with `Last-Event-ID` resumes without
-a gap while the engine still buffers what it missed; otherwise (and on a first connect) it gets a resync: per
-dp group an `AllBlocksCleared` with `"resync": true` and the blocks the engine's index holds. The buffer and
-the snapshot live in the engine (workers/kv_stream.py); polling keeps its events on.
+`medium`), its `id:` `<incarnation>-<seq>` (the engine's stream incarnation and sequence number). A client
+reconnecting with a `Last-Event-ID` of the engine's current incarnation resumes without a gap while the engine
+still buffers what it missed; otherwise (a first connect, another engine's id, a malformed one) it gets a
+resync: per dp group an `AllBlocksCleared` with `"resync": true` and the blocks the engine's index holds.
+The ids, the buffer and the snapshot live in the engine (workers/kv_stream.py); polling keeps its events on.
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from deployment.sse import SSE_EVENT, SSE_HEADERS, format_comment, format_event
-from deployment.stats_routes import last_event_id
+from deployment.sse import SSE_EVENT, SSE_HEADERS, format_comment, format_event, last_event_id
 
 POLL_S = 15.0  # one long poll of the engine; an idle stream sends a keepalive comment after each
 logger = logging.getLogger("kvfleet.deployment")
@@ -28,11 +28,10 @@ def kv_events_router(engine: Any) -> APIRouter:
     router = APIRouter(tags=["statistics"])
 
     @router.get("/kv_events", response_class=StreamingResponse, responses={200: {
-        "description": "KV events as Server-Sent Events (id: sequence number); resume with Last-Event-ID",
+        "description": "KV events as Server-Sent Events (id: <incarnation>-<seq>); resume with Last-Event-ID",
         "content": {"text/event-stream": {"schema": SSE_EVENT}}}})
     async def kv_events(request: Request) -> Response:
-        start = last_event_id(request, "a KV event id")
-        start = -1 if start is None else start
+        start = last_event_id(request.headers)  # the engine answers any id it cannot resume with a resync
         first = await engine.kv_events(start, 0.0)  # errors (engine down) answer here, before the stream
         return StreamingResponse(_stream(engine, start, first), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
@@ -40,16 +39,16 @@ def kv_events_router(engine: Any) -> APIRouter:
     return router
 
 
-async def _stream(engine: Any, last: int, got: list) -> AsyncIterator[str]:
+async def _stream(engine: Any, last: str | None, got: list) -> AsyncIterator[str]:
     while True:
         if got:
             last = got[-1][0]
-            yield "".join(format_event(json.dumps(ev), id=seq, event="kv_event") for seq, ev in got)
+            yield "".join(format_event(json.dumps(ev), id=eid, event="kv_event") for eid, ev in got)
         else:
             yield format_comment("keepalive")
         try:
             got = await engine.kv_events(last, POLL_S)
         except Exception as exc:  # the engine's replica went away mid-stream: end it; the client resumes by id
-            logger.warning("/kv_events: ending a stream at event %d, the engine did not answer (%s)", last,
+            logger.warning("/kv_events: ending a stream at event %s, the engine did not answer (%s)", last,
                            type(exc).__name__)
             return

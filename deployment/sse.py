@@ -1,9 +1,11 @@
-"""Server-Sent Events: the wire format written by /stats/stream and read by the client and the benchmark.
+"""Server-Sent Events: the wire format written by /stats/stream and /kv_events and read by the client and the
+benchmark.
 
 Kept apart from the routes so the writer and the reader are tested against each other (the `id:` field
 is what makes a reconnect with `Last-Event-ID` resume without a gap).
 """
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering or caching
@@ -21,6 +23,13 @@ def format_event(data: str, *, id: int | str | None = None, event: str | None = 
         lines.append(f"event: {event}")
     lines.extend(f"data: {line}" for line in data.split("\n"))
     return "\n".join(lines) + "\n\n"
+
+
+def last_event_id(headers: Mapping[str, str]) -> str | None:
+    """The `Last-Event-ID` a reconnecting client sent (None when absent or blank), for both streams; what it
+    names is the stream's: an iteration on /stats/stream, `<incarnation>-<seq>` on /kv_events."""
+    value = headers.get("last-event-id", "").strip()
+    return value or None
 
 
 def format_comment(text: str) -> str:

@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from deployment.errors import APIError
 from deployment.mirror import StatsMirror
 from deployment.sse import SSE_EVENT, SSE_HEADERS
+from deployment.sse import last_event_id as read_last_event_id
 
 MAX_STATS_LIMIT = 10_000
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -17,9 +18,9 @@ _LIST = {"content": {"application/json": {"schema": {"type": "array", "items": {
 
 def last_event_id(request: Request, what: str) -> int | None:
     """A stream's resume point from the `Last-Event-ID` header (None when absent or blank); `what` the id
-    is, for the 400 a bad one gets (/stats/stream and /kv_events)."""
-    header = request.headers.get("last-event-id")
-    if header is None or not header.strip():
+    is, for the 400 a bad one gets."""
+    header = read_last_event_id(request.headers)
+    if header is None:
         return None
     try:
         return int(header)

@@ -58,7 +58,7 @@ class FakeEngine:
     async def health(self) -> dict:
         return {"ranks": 2}
 
-    async def kv_events(self, after: int, timeout_s: float) -> list:
+    async def kv_events(self, after: str | None, timeout_s: float) -> list:
         return await self.kv_stream.wait(after, min(timeout_s, 0.3))
 
     async def generate(self, request_id: str, ids: list[int], params, cache_salt=None):

@@ -2,9 +2,12 @@
 
 import asyncio
 
-from kvcache.events import REMOVED, KVEvent, prompt_keys
+import pytest
+
+from kvcache.events import REMOVED, KVEvent, key_of, prompt_keys
 from tests.engine_harness import generate, make_engine, settled
 from tests.kvcache_helpers import tree_blocks
+from workers.errors import RequestFailed
 from workers.sampling import SamplingParams
 
 B = 16
@@ -103,6 +106,88 @@ def test_bad_events_resync_the_group_from_a_snapshot():
         await settled(eng)
         assert eng.router.index.blocks[0] == tree_blocks(eng.rank_workers[0].kv) != {}
         assert eng.router.index.prefix(0, prompt_keys(TENANT_A, B)) == (6, 0)
+
+    run(main())
+
+
+def fold(view: list[dict], events: list) -> None:
+    """What a /kv_events client holds per dp group (key -> medium) after applying `events`."""
+    for _, ev in events:
+        held = view[ev["dp_rank"]]
+        if ev["type"] == "AllBlocksCleared":
+            held.clear()
+        for key in ev.get("block_hashes", ()):
+            if ev["type"] == "BlockStored":
+                held[key] = ev["medium"]
+            elif held.get(key) == ev["medium"]:
+                del held[key]
+
+
+def test_a_step_that_raises_on_a_live_rank_resyncs_the_index_and_the_stream():
+    """The ranks' caches changed in the step that raised, and that step's events never arrived: the group
+    resyncs from a snapshot instead of drifting from what the rank holds."""
+    async def main():
+        eng = await make_engine(dp=1, kv_cache_bytes=2 << 20, max_seq_len=256)
+        stream = eng.router.stream
+        await ask(eng, TENANT_B + [200])  # the index is in step with the rank (its first snapshot is in)
+        await settled(eng)
+        assert not eng.router.index.resync[0]
+        got = stream.since(None)  # a /kv_events client follows the stream
+        view = [{}]
+        fold(view, got)
+        worker = eng.rank_workers[0]
+        real, raised = worker.step, []
+
+        def step(plan):
+            res = real(plan)
+            if not raised and plan.work:  # the first prefill step of the request below stores blocks
+                raised.append(plan.iteration)
+                raise RuntimeError("the step raised after storing blocks")
+            return res
+
+        worker.step = step
+        with pytest.raises(RequestFailed):
+            await ask(eng, TENANT_A + [200])
+        await ask(eng, TENANT_B + [201])
+        await settled(eng)
+        assert raised
+        held = tree_blocks(worker.kv)
+        assert eng.router.index.prefix(0, prompt_keys(TENANT_A, B))[0] > 0  # the failed step's blocks, too
+        assert eng.router.index.blocks[0] == held
+        fold(view, stream.since(got[-1][0]))
+        assert view[0] == {k: ("GPU", "CPU")[t] for k, t in held.items()}
+
+    run(main())
+
+
+def salted_keys(mgr, salt) -> set[int]:
+    """The key of every block the manager's reuse tree holds under `salt`."""
+    stack, keys = list(mgr._roots[(type(salt), salt)].children.values()), set()
+    while stack:
+        node = stack.pop()
+        keys.add(key_of(node))
+        stack.extend(node.children.values())
+    return keys
+
+
+def test_a_salted_prompt_never_leaves_the_engine_on_kv_events():
+    async def main():
+        eng = await make_engine(dp=1, kv_cache_bytes=2 << 20, max_seq_len=256)
+        stream = eng.router.stream
+        stream.since(None)  # a /kv_events client listens: every event is kept in the replay buffer
+        await ask(eng, TENANT_A + [200], salt="tenant-a")
+        await ask(eng, TENANT_B + [200])
+        await settled(eng)
+        eng.router.drop_group(0)  # the next step publishes the rank's snapshot of every block it holds
+        await ask(eng, TENANT_B + [201])
+        await settled(eng)
+        mine = salted_keys(eng.rank_workers[0].kv, "tenant-a")
+        events = [ev for _, ev in stream.buffer] + [ev for _, ev in stream.since(None)]  # live + snapshots
+        stored = [ev for ev in events if ev["type"] == "BlockStored"]
+        salted = [ev for ev in stored if set(ev["block_hashes"]) & mine]
+        assert len(salted) > len(mine)  # every salted block, live and in both snapshots, by its hash
+        assert all(ev["token_ids"] == [] for ev in salted), "a salted prompt's tokens reached /kv_events"
+        assert any(ev["token_ids"] == TENANT_B[:B] for ev in stored)  # unsalted blocks still carry theirs
 
     run(main())
 

@@ -7,15 +7,16 @@ import httpx
 from deployment.sse import SSEDecoder
 from kvcache.events import STORED, KVEvent
 from tests.http_support import _assert_openai_error
+from workers.kv_stream import KVEventStream
 
 
-def _events(resp, n: int) -> list[tuple[int, dict]]:
+def _events(resp, n: int) -> list[tuple[str, dict]]:
     dec, out = SSEDecoder(), []
     for line in resp.iter_lines():
         ev = dec.feed(line)
         if ev is not None:
             assert ev.event == "kv_event"
-            out.append((int(ev.id), json.loads(ev.data)))
+            out.append((ev.id, json.loads(ev.data)))
             if len(out) == n:
                 break
     return out
@@ -36,27 +37,58 @@ def test_cache_salt_reaches_the_engine_on_completions_and_chat(server, http):
 
 def test_kv_events_resync_then_resume_without_a_gap(server):
     stream = server.engine.kv_stream
+    eid = f"{stream.incarnation}-{{}}".format
     with httpx.Client(base_url=server.url, timeout=10) as c:
         with c.stream("GET", "/kv_events") as resp:  # a new client: the index's snapshot first
             assert resp.headers["content-type"].startswith("text/event-stream")
             snap = _events(resp, 3)
         assert [e["type"] for _, e in snap] == ["AllBlocksCleared", "BlockStored", "AllBlocksCleared"]
         assert snap[0][1]["resync"] and snap[1][1]["block_hashes"] == [7] and snap[1][1]["medium"] == "GPU"
-        start = snap[-1][0]
+        start = stream.seq
+        assert snap[-1][0] == eid(start)
         stream.publish(1, [KVEvent(STORED, k, None, tuple(range(16)), 0) for k in (21, 22, 23)])
-        with c.stream("GET", "/kv_events", headers={"Last-Event-ID": str(start + 1)}) as resp:
+        with c.stream("GET", "/kv_events", headers={"Last-Event-ID": eid(start + 1)}) as resp:
             rest = _events(resp, 2)
-        assert [i for i, _ in rest] == [start + 2, start + 3]  # exactly what came after the id it had
+        assert [i for i, _ in rest] == [eid(start + 2), eid(start + 3)]  # exactly what came after the id it had
         assert [e["block_hashes"] for _, e in rest] == [[22], [23]] and rest[0][1]["dp_rank"] == 1
         assert rest[0][1]["token_ids"] == list(range(16)) and rest[0][1]["block_size"] == 16
         stream.publish(1, [KVEvent(STORED, k) for k in range(30, 36)])  # the buffer keeps 4: start+2.. are gone
-        with c.stream("GET", "/kv_events", headers={"Last-Event-ID": str(start + 2)}) as resp:
+        with c.stream("GET", "/kv_events", headers={"Last-Event-ID": eid(start + 2)}) as resp:
             again = _events(resp, 1)
         assert again[0][1]["type"] == "AllBlocksCleared" and again[0][1]["resync"]
 
 
-def test_kv_events_refuses_a_bad_last_event_id(http):
-    _assert_openai_error(http.get("/kv_events", headers={"Last-Event-ID": "seven"}), 400, "invalid_last_event_id")
+def test_an_id_from_a_replaced_engine_resyncs_even_once_the_new_one_passed_it(server):
+    """An engine replica restarts with a new stream: a client's Last-Event-ID from the old one must not
+    resume "exactly" in the new id space (it would miss the new engine's first events, keep the old blocks)."""
+    old = server.engine.kv_stream
+    with httpx.Client(base_url=server.url, timeout=10) as c:
+        with c.stream("GET", "/kv_events") as resp:
+            last = _events(resp, 3)[-1][0]
+        old.publish(0, [KVEvent(STORED, k) for k in (100, 101)])
+        with c.stream("GET", "/kv_events", headers={"Last-Event-ID": last}) as resp:
+            last = _events(resp, 2)[-1][0]  # followed the old engine up to here
+        server.engine.kv_stream = new = KVEventStream(4, 16, old.index, buffer_always=True)
+        try:
+            new.publish(0, [KVEvent(STORED, k) for k in range(200, 200 + old.seq + 2)])  # past the old ids
+            with c.stream("GET", "/kv_events", headers={"Last-Event-ID": last}) as resp:
+                got = _events(resp, 1)
+        finally:
+            server.engine.kv_stream = old
+    assert got[0][1]["type"] == "AllBlocksCleared" and got[0][1]["resync"]
+
+
+def test_kv_events_resyncs_an_id_it_cannot_resume_from(server):
+    """Another engine's id (a replaced replica's), an integer id or garbage: a resync, as for a new client."""
+    stream = server.engine.kv_stream
+    stream.publish(0, [KVEvent(STORED, 40)])
+    with httpx.Client(base_url=server.url, timeout=10) as c:
+        for stale in ("0123456789ab-1", str(stream.seq - 1), "seven"):
+            with c.stream("GET", "/kv_events", headers={"Last-Event-ID": stale}) as resp:
+                assert resp.status_code == 200
+                got = _events(resp, 1)
+            assert got[0][1]["type"] == "AllBlocksCleared" and got[0][1]["resync"]
+            assert got[0][0] == f"{stream.incarnation}-{stream.seq}"
 
 
 def test_a_stream_whose_engine_goes_away_ends_cleanly_at_its_last_event():
@@ -69,7 +101,7 @@ def test_a_stream_whose_engine_goes_away_ends_cleanly_at_its_last_event():
             raise ConnectionError("the engine replica is being replaced")
 
     async def read() -> list[str]:
-        return [chunk async for chunk in _stream(Gone(), -1, [(7, {"type": "AllBlocksCleared"})])]
+        return [chunk async for chunk in _stream(Gone(), None, [("a1-7", {"type": "AllBlocksCleared"})])]
 
     chunks = asyncio.run(read())  # ends instead of raising into the server (a traceback and a cut connection)
-    assert len(chunks) == 1 and "id: 7" in chunks[0]
+    assert len(chunks) == 1 and "id: a1-7" in chunks[0]

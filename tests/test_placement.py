@@ -6,7 +6,7 @@ from aggregator.assembler import Assembler
 from aggregator.delta import Iteration
 from aggregator.metrics import render_metrics
 from deployment.settings import Settings
-from kvcache.events import CLEARED, MOVED, REMOVED, STORED, KVEvent, prompt_keys
+from kvcache.events import CLEARED, MOVED, REMOVED, STORED, KVEvent, block_key, prompt_keys
 from workers.kv_stream import KVEventStream
 from workers.placement import TOP_SALTS, Router, group_load, salt_label
 from workers.sampling import SamplingParams
@@ -98,7 +98,7 @@ def test_the_routing_record_sums_are_exact_per_salt_top_16_and_other():
     for k in ("requests", "predictedReusedBlocks", "realizedReusedBlocks"):
         assert sum(s[k] for s in per.values()) == rec[k if k != "requests" else "requests"]
     assert per[salt_label(None)]["requests"] == 4  # the most frequent "salt" is no salt
-    assert "tenant-1" not in str(rec)  # salts are named by their key, never shown
+    assert "tenant-1" not in str(rec)  # salts are named by a label, never shown
     assert r.take_record()["requests"] == 0  # a fresh tally per record
 
 
@@ -125,35 +125,66 @@ def stream(capacity=100) -> KVEventStream:
     return s
 
 
+def ids(s: KVEventStream, seqs) -> list[str]:
+    return [f"{s.incarnation}-{n}" for n in seqs]
+
+
 def test_the_stream_resumes_without_a_gap_in_vllm_shape():
     s = stream()
     s.publish(0, [KVEvent(STORED, 1, None, tuple(range(16)), 0), KVEvent(STORED, 2, 1, tuple(range(16)), 0)])
     s.publish(1, [KVEvent(MOVED, 5, tier=1), KVEvent(REMOVED, 6, tier=1), KVEvent(CLEARED)])
-    ids = [i for i, _ in s.since(0)]
-    assert ids == list(range(1, 7))  # a move is removed from GPU + stored on CPU
-    assert [e["type"] for _, e in s.since(0)] == ["BlockStored", "BlockStored", "BlockRemoved", "BlockStored",
-                                                  "BlockRemoved", "AllBlocksCleared"]
-    first = s.since(0)[1][1]
+    start = ids(s, [0])[0]
+    assert [i for i, _ in s.since(start)] == ids(s, range(1, 7))  # a move is removed from GPU + stored on CPU
+    assert [e["type"] for _, e in s.since(start)] == ["BlockStored", "BlockStored", "BlockRemoved", "BlockStored",
+                                                      "BlockRemoved", "AllBlocksCleared"]
+    first = s.since(start)[1][1]
     assert first["block_hashes"] == [2] and first["parent_block_hash"] == 1 and first["block_size"] == B
     assert first["medium"] == "GPU" and first["dp_rank"] == 0 and len(first["token_ids"]) == 16
-    assert s.since(0)[2][1]["medium"] == "GPU" and s.since(0)[3][1]["medium"] == "CPU"
+    assert s.since(start)[2][1]["medium"] == "GPU" and s.since(start)[3][1]["medium"] == "CPU"
     for k in range(7):  # any resume point gives exactly what came after it
-        assert [i for i, _ in s.since(k)] == list(range(k + 1, 7))
+        assert [i for i, _ in s.since(ids(s, [k])[0])] == ids(s, range(k + 1, 7))
 
 
 def test_a_client_too_far_behind_gets_an_explicit_resync():
     s = stream(capacity=2)
     s.publish(0, [KVEvent(STORED, k) for k in range(1, 6)])
-    assert [i for i, _ in s.since(3)] == [4, 5]
-    got = s.since(1)  # events 2 and 3 are gone
+    assert [i for i, _ in s.since(ids(s, [3])[0])] == ids(s, [4, 5])
+    got = s.since(ids(s, [1])[0])  # events 2 and 3 are gone
     assert [e["type"] for _, e in got] == ["AllBlocksCleared", "BlockStored", "BlockStored", "AllBlocksCleared"]
-    assert got[0][1]["resync"] and {i for i, _ in got} == {5}
+    assert got[0][1]["resync"] and {i for i, _ in got} == set(ids(s, [5]))
     assert got[1][1]["block_hashes"] == [7] and got[2][1]["medium"] == "CPU"
-    assert s.since(-1)[0][1]["resync"]  # a new client starts from a snapshot too
+    assert s.since(None)[0][1]["resync"]  # a new client starts from a snapshot too
+
+
+def test_an_id_of_another_engines_stream_resyncs_however_far_its_seq_got():
+    """A replaced engine replica starts a new stream: a client's old Last-Event-ID names nothing in it, even
+    once the new stream's seq has passed the old one's."""
+    old = stream()
+    old.publish(0, [KVEvent(STORED, k) for k in range(100, 105)])
+    stale = old.since(ids(old, [0])[0])[-1][0]  # a client followed the old engine up to its 5th event
+    new = stream()
+    assert new.incarnation != old.incarnation
+    new.publish(0, [KVEvent(STORED, k) for k in range(200, 210)])
+    got = new.since(stale)
+    assert got[0][1]["type"] == "AllBlocksCleared" and got[0][1]["resync"]  # not events 6..10 of the new one
+    assert {i for i, _ in got} == set(ids(new, [10]))
+    later = new.since(got[-1][0])  # resuming from the resync's id is exact from then on
+    new.publish(0, [KVEvent(STORED, 300)])
+    assert later == [] and [i for i, _ in new.since(got[-1][0])] == ids(new, [11])
+    for bad in ("5", "-1", "", f"{new.incarnation}-x", f"{new.incarnation}-99", f"{new.incarnation}--3"):
+        assert new.since(bad)[0][1]["resync"], bad  # malformed, or beyond the newest: a resync
 
 
 def test_a_stream_nobody_listens_to_converts_nothing():
     s = KVEventStream(10, B, types.SimpleNamespace(blocks=[{}]))
     s.publish(0, [KVEvent(STORED, 1)])
     assert not s.buffer and s.exact_from == s.seq == 1  # a marked gap: a later client resyncs
-    assert s.since(0)[0][1]["resync"]
+    assert s.since(ids(s, [0])[0])[0][1]["resync"]
+
+
+def test_a_salt_label_does_not_let_a_reader_hash_the_salts_prompts():
+    prompt = list(range(2 * B))
+    for salt in ("tenant-a", "t"):
+        label = int(salt_label(salt), 16)  # what /stats shows of the salt
+        assert block_key(label, prompt[:B]) != prompt_keys(prompt, B, salt)[0]  # not the chain's root
+        assert salt_label(salt) == salt_label(salt) != salt_label(salt + "x")  # stable, one per salt

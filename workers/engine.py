@@ -338,12 +338,13 @@ class Engine:
     def _group_failed(self, dp: int, failure: ranks.StepFailure) -> None:
         """A dead rank takes its dp group down (the others go on): its requests are re-queued and the group
         is restarted. Any other step error fails the group's running requests, which are closed on every
-        rank, and the group steps on."""
+        rank, and the group steps on (its KV index resyncs: that step's events are lost)."""
         g, tp = self._groups[dp], self.settings.tp
         why = one_line(failure.error)
         if not failure.rank_gone:
             log.error("dp group %d: step of rank %d raised, failing %d running requests: %s", dp, failure.rank,
                       len(g.running), why)
+            self.router.drop_group(dp)  # the step's KV events are lost: resync from the rank's next snapshot
             for req in list(g.running):
                 self._finish_failed(g, req, RequestFailed(f"generation failed: {why}"))
             return

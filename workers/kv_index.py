@@ -5,8 +5,9 @@ is exactly the set of blocks that rank reported holding. It is bounded: a group 
 its rank has slots (primary + host), so more entries mean the events went wrong. Bad input (an unknown block
 removed or moved, a block stored twice, too many blocks) never raises: the group is emptied, the error
 counted, and the group marked for a resync: its next step asks the rank for a snapshot (a cleared event and
-every block it holds), and events until that snapshot arrives are ignored. A group that goes down or restarts
-with an empty cache is dropped (`drop_group`); its rank's first events are again a snapshot.
+every block it holds), and events until that snapshot arrives are ignored. A group that goes down, restarts
+with an empty cache, or whose step raised (that step's events are lost) is dropped (`drop_group`); its rank's
+next events are again a snapshot.
 """
 
 from __future__ import annotations

@@ -1,18 +1,23 @@
 """The engine's public KV event stream (`GET /kv_events`): the ranks' events in vLLM's KV event shape.
 
-Each event gets a per-engine sequence number (the SSE `id:`) and waits in a bounded buffer, so a client that
-reconnects with `Last-Event-ID` resumes without a gap while its events are buffered. A client further behind
-(and a new client, without `Last-Event-ID`) gets an explicit resync instead: for every dp group an
+Each event's id (the SSE `id:`) is `<incarnation>-<seq>`: `seq` counts this stream's events, `incarnation`
+is fresh for every stream (every engine replica's start), so an id from another engine never names an event
+here. Events wait in a bounded buffer, so a client that reconnects with a `Last-Event-ID` of this
+incarnation resumes exactly while its events are buffered. Any other client (a new one, one further behind,
+one with another incarnation's or a malformed id) gets an explicit resync instead: for every dp group an
 `AllBlocksCleared` (with `"resync": true`) and one `BlockStored` per tier with every block the index holds
 (no tokens, no parent: the keys and the medium are what a router needs), all with the newest id, then the
-live events after it. Events are converted only while someone
-listens (a poll within `placement.LISTEN_S`, or buffering asked for), so an idle stream costs nothing.
-Keys are unsigned 64-bit ints; the salt is in them and is never shown.
+live events after it. Events are converted only while someone listens (a poll within `LISTEN_S`, or
+buffering asked for), so an idle stream costs nothing.
+Keys are unsigned 64-bit ints; the salt is in them and is never shown. A salted block's `BlockStored` carries
+no tokens (`token_ids` is empty): a router keys by hash, and the tokens are the tenant's prompt.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import secrets
 import time
 from collections import deque
 from typing import Any
@@ -33,7 +38,8 @@ def vllm_event(ev: KVEvent, dp: int, block_size: int, ts: float) -> list[dict[st
         return [{"type": "BlockRemoved", "block_hashes": [ev.key], "medium": MEDIUM[1 - ev.tier], "dp_rank": dp,
                  "ts": ts}, _stored([ev.key], None, [], block_size, ev.tier, dp, ts)]
     assert ev.kind == STORED
-    return [_stored([ev.key], ev.parent, list(ev.tokens), block_size, ev.tier, dp, ts)]
+    tokens = list(ev.tokens) if ev.salt is None else []  # a salted prompt is its tenant's: only keys leave
+    return [_stored([ev.key], ev.parent, tokens, block_size, ev.tier, dp, ts)]
 
 
 def _stored(keys: list[int], parent: int | None, tokens: list[int], block_size: int, tier: int, dp: int,
@@ -45,13 +51,14 @@ def _stored(keys: list[int], parent: int | None, tokens: list[int], block_size: 
 
 class KVEventStream:
     def __init__(self, capacity: int, block_size: int, index: Any, buffer_always: bool = False) -> None:
-        self.buffer: deque[tuple[int, dict]] = deque(maxlen=capacity)
-        self.seq = 0  # the newest id handed out
+        self.incarnation = secrets.token_hex(6)
+        self.buffer: deque[tuple[str, dict]] = deque(maxlen=capacity)  # (id, event), ids in order
+        self.seq = 0  # the newest seq handed out
         self.block_size = block_size
         self.index = index
         self.buffer_always = buffer_always
         self.last_poll = float("-inf")
-        self.exact_from = 0  # a client that has seen ids up to at least this one can resume exactly
+        self.exact_from = 0  # a client that has seen seqs up to at least this one can resume exactly
         self._new: asyncio.Event | None = None
 
     @property
@@ -68,7 +75,7 @@ class KVEventStream:
         for ev in events:
             for out in vllm_event(ev, dp, self.block_size, ts):
                 self.seq += 1
-                self.buffer.append((self.seq, out))
+                self.buffer.append((self._id(self.seq), out))
         self._wake()
 
     def cleared(self, dp: int) -> None:
@@ -80,27 +87,32 @@ class KVEventStream:
             self._new.set()
             self._new = None
 
-    def since(self, after: int) -> list[tuple[int, dict]]:
-        """(id, event) for every event with id > after; a resync snapshot first when some were lost."""
+    def since(self, after: str | None) -> list[tuple[str, dict]]:
+        """(id, event) for every event after the one `after` names; a resync snapshot first unless that is an
+        event of this incarnation that every later one is still buffered after."""
         self.last_poll = time.monotonic()
-        oldest = self.buffer[0][0] if self.buffer else self.seq + 1
-        if after == self.seq:
+        seq = self._seq_of(after)
+        if seq == self.seq:
             return []
-        if max(oldest - 1, self.exact_from) <= after < self.seq:  # else lost, or from another engine's ids
-            newer = []
-            for item in reversed(self.buffer):  # ids only grow: walk back from the newest, O(new events)
-                if item[0] <= after:
-                    break
-                newer.append(item)
+        if seq is not None and max(self.seq - len(self.buffer), self.exact_from) <= seq < self.seq:
+            newer = list(itertools.islice(reversed(self.buffer), self.seq - seq))  # the buffer's tail: O(new)
             newer.reverse()
             return newer
         return self._snapshot()
 
-    def _snapshot(self) -> list[tuple[int, dict]]:
+    def _id(self, seq: int) -> str:
+        return f"{self.incarnation}-{seq}"
+
+    def _seq_of(self, after: str | None) -> int | None:
+        """The seq of an id of this incarnation; None for no id, another incarnation's, or a malformed one."""
+        incarnation, _, seq = str(after).partition("-")
+        return int(seq) if incarnation == self.incarnation and seq.isascii() and seq.isdigit() else None
+
+    def _snapshot(self) -> list[tuple[str, dict]]:
         """The index now, as of the newest id (it already holds what every buffered event did)."""
-        at = self.seq
+        at = self._id(self.seq)
         ts = time.time()
-        out: list[tuple[int, dict]] = []
+        out: list[tuple[str, dict]] = []
         for dp, held in enumerate(self.index.blocks):
             out.append((at, {"type": "AllBlocksCleared", "dp_rank": dp, "ts": ts, "resync": True}))
             for tier in (0, 1):
@@ -109,8 +121,8 @@ class KVEventStream:
                     out.append((at, _stored(keys, None, [], self.block_size, tier, dp, ts)))
         return out
 
-    async def wait(self, after: int, timeout_s: float) -> list[tuple[int, dict]]:
-        """Long poll: events with id > after as soon as there are any, [] after timeout_s."""
+    async def wait(self, after: str | None, timeout_s: float) -> list[tuple[str, dict]]:
+        """Long poll: the events after `after` (`since`) as soon as there are any, [] after timeout_s."""
         deadline = time.monotonic() + max(0.0, timeout_s)
         while True:
             got = self.since(after)

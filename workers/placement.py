@@ -27,6 +27,7 @@ life cycle still has, so the rank's match is shorter than the index's.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import itertools
 from collections.abc import Sequence
@@ -58,8 +59,11 @@ def waiting_blocks(g: Any, B: int) -> int:
 
 
 def salt_label(salt: Any) -> str:
-    """How records name a salt: its root key in hex (never the salt itself, which is a tenant's secret)."""
-    return "none" if salt is None else f"{root_key(salt):016x}"
+    """How records name a salt: a digest of its root key, in hex. Never the salt (a tenant's secret), nor the
+    root: from the root anyone could hash a guessed prompt into the salt's block keys on /kv_events."""
+    if salt is None:
+        return "none"
+    return hashlib.blake2b(root_key(salt).to_bytes(8, "little"), digest_size=8, person=b"kvfleet-label").hexdigest()
 
 
 class Router:
@@ -156,7 +160,9 @@ class Router:
                 self._count(req, dp, realized)
 
     def drop_group(self, dp: int) -> None:
-        """A group went down or restarts with an empty cache (the engine calls this)."""
+        """What the engine knows of a group's cache is gone: the group went down, restarts with an empty cache,
+        or a step of it raised and its events were lost (the engine calls this). Its rank's next snapshot
+        rebuilds it, on the index and on the stream."""
         self.index.drop_group(dp)
         self.stream.cleared(dp)
 
