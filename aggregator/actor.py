@@ -10,10 +10,16 @@ cluster records read by cursor (`query`, never removing anything), a long poll f
   registered layouts are stored there too, once per registration;
 - a restarted actor (same actor id) restores both, with `aggregatorEpoch` one higher; the engine sees the new
   epoch in a reply and re-sends every iteration not yet acknowledged. The cumulative `kvCacheStats` continue
-  from the checkpoint, so they never go backwards; the newest TAIL_RECORDS records are checkpointed too (one
-  slot per record, written before the ack), so a reader that had not yet fetched the last records before the
+  from the checkpoint, so they never go backwards; the newest records are checkpointed too (a ring of
+  2 * TAIL_RECORDS slots, one per record), so a reader that had not yet fetched the last records before the
   restart still gets every record: the stream has no gap. Older buffered records are gone (the ingress
   mirrors keep theirs).
+
+Every crash point leaves a consistent checkpoint: an ingest checkpoints at most TAIL_RECORDS iterations at a
+time, their slots first, then the state. Slots written after the last state save hold iterations the state
+does not cover (ignored at restore: the engine re-sends them), and they can overwrite only the oldest
+TAIL_RECORDS of the ring, so the newest TAIL_RECORDS records that the state covers always survive. (Writing a
+whole large batch's slots before one state save overwrote exactly the records that state covered.)
 """
 
 from __future__ import annotations
@@ -36,7 +42,8 @@ from .metrics import render_metrics
 log = logging.getLogger("kvfleet.aggregator")
 _KV_NAMESPACE = "kvfleet"
 WAIT_LIMIT = 1000  # most records one wait_records call returns
-TAIL_RECORDS = 256  # the newest records a restart restores (a ring of slots in the checkpoint)
+TAIL_RECORDS = 256  # a restart restores at least this many of the newest records its checkpoint covers
+TAIL_SLOTS = 2 * TAIL_RECORDS  # the ring of record slots: one state save per TAIL_RECORDS slots written
 
 
 NAMESPACE = "kvfleet"  # the aggregator's Ray namespace: a new engine replica (or an operator) finds it by name
@@ -106,14 +113,14 @@ class StatsAggregatorImpl:
 
     def _save_tail(self, records: list[dict[str, Any]]) -> None:
         """Each new record into its slot of the checkpoint's tail ring (O(records emitted))."""
-        for rec in records[-TAIL_RECORDS:]:
-            self._ckpt.save(f"rec/{rec['iter'] % TAIL_RECORDS}", rec)
+        for rec in records:
+            self._ckpt.save(f"rec/{rec['iter'] % TAIL_SLOTS}", rec)
 
     def _load_tail(self) -> list[dict[str, Any]]:
         """The tail ring's records up to the restored last emitted iteration, oldest first (a slot written after
         the last state save holds an iteration the engine sends again)."""
         last = self.asm.last_emitted
-        recs = [self._ckpt.load(f"rec/{slot}") for slot in range(TAIL_RECORDS)] if last is not None else []
+        recs = [self._ckpt.load(f"rec/{slot}") for slot in range(TAIL_SLOTS)] if last is not None else []
         return sorted((r for r in recs if r is not None and r["iter"] <= last), key=lambda r: r["iter"])
 
     def _save_state(self) -> None:
@@ -137,12 +144,15 @@ class StatsAggregatorImpl:
             if isinstance(it, Iteration) and any(isinstance(d, ray.ObjectRef) for d in it.deltas):
                 iterations[i] = Iteration(it.iteration, it.timestamp, list(await asyncio.gather(*it.deltas)),
                                           it.missing, it.engine, it.routing)
-        records = self.asm.ingest(iterations)
-        if records:
-            self._reported_stats = records[-1]["kvCacheStats"]
-            self._save_tail(records)  # before the state: what the state covers is always restorable
-            self._publish(records, iterations)
-            self._save_state()
+        self.asm.check(iterations)  # a bad batch is refused whole, before anything is counted
+        for start in range(0, len(iterations), TAIL_RECORDS):
+            chunk = iterations[start:start + TAIL_RECORDS]
+            records = self.asm.ingest(chunk)
+            if records:
+                self._reported_stats = records[-1]["kvCacheStats"]
+                self._save_tail(records)  # before the state: what the state covers is always restorable
+                self._publish(records, chunk)
+                self._save_state()
         return self._reply()
 
     def _publish(self, records: list[dict[str, Any]], iterations: list[Iteration]) -> None:

@@ -95,12 +95,20 @@ class Assembler:
                 raise ValueError(f"register: rank {lay.rank} is not dp {lay.dp_rank} tp {lay.tp_rank} at tp {self.tp}")
             self.layouts[(lay.rank, lay.incarnation)] = lay
 
-    def ingest(self, iterations: list[Iteration]) -> list[dict[str, Any]]:
-        """Records for the iterations not seen before, in order."""
-        records = []
+    @staticmethod
+    def check(iterations: list[Iteration]) -> None:
+        """Raise ValueError for a batch that is not a list of Iteration objects."""
+        if not isinstance(iterations, list):
+            raise ValueError(f"ingest takes a list of Iteration objects, got {type(iterations).__name__}")
         for it in iterations:
             if not isinstance(it, Iteration):
                 raise ValueError(f"ingest takes Iteration objects, got {type(it).__name__}")
+
+    def ingest(self, iterations: list[Iteration]) -> list[dict[str, Any]]:
+        """Records for the iterations not seen before, in order (a bad batch changes nothing)."""
+        self.check(iterations)
+        records = []
+        for it in iterations:
             if self.last_emitted is not None and it.iteration <= self.last_emitted:
                 self.counts["duplicates"] += len(it.deltas)
                 continue
