@@ -117,7 +117,7 @@ class Engine:
         self.router.index.max_blocks = [info["kv_slots"] for info in self.rank_info[::s.tp]]
         if s.enable_stats:
             self.stats = StatsChannel(self.aggregator)
-            await self.stats.register([info["layout"] for info in self.rank_info])
+            self.iteration = first_iteration(await self.stats.register([info["layout"] for info in self.rank_info]))
         await asyncio.gather(*[ranks.warm_up(group.workers) for group in launched])
         self._loop_task = asyncio.get_running_loop().create_task(self._loop())
         log.info("engine %s: %d ranks on %s (%s), iterations from %d, requests up to %d tokens", s.engine_id,
