@@ -160,6 +160,8 @@ class StatsAggregatorImpl:
                      self.session, self.asm.last_emitted)
         self.asm.register(layouts)
         self._ckpt.save("layouts", list(self.asm.layouts.values()))
+        if self.asm.last_emitted is None:  # the capacity is known from the layouts, before any iteration
+            self._reported_stats = self.asm.cumulative.stats()
         return self._reply()
 
     async def ingest(self, iterations: list[Iteration], session: int | None = None) -> dict[str, Any]:

@@ -46,6 +46,13 @@ class Cumulative:
         self.floor = [0] * len(_COUNTERS)
         self.tokens_per_block = 0
 
+    def seed(self, layout: RankLayout) -> None:
+        """A new incarnation's empty cache, from its registered capacity: known before its first delta."""
+        if layout.tp_rank != 0 or (layout.rank, layout.incarnation) in self.banked:
+            return
+        self.gauges[layout.rank] = [layout.max_num_blocks, layout.max_num_blocks, 0]  # KV_STATS_GAUGES order
+        self.tokens_per_block = self.tokens_per_block or layout.tokens_per_block
+
     def update(self, layout: RankLayout, kv_stats: np.ndarray) -> None:
         if layout.tp_rank != 0:
             return
@@ -94,6 +101,7 @@ class Assembler:
             if (lay.dp_rank, lay.tp_rank) != divmod(lay.rank, self.tp):
                 raise ValueError(f"register: rank {lay.rank} is not dp {lay.dp_rank} tp {lay.tp_rank} at tp {self.tp}")
             self.layouts[(lay.rank, lay.incarnation)] = lay
+            self.cumulative.seed(lay)
 
     @staticmethod
     def check(iterations: list[Iteration]) -> None:
@@ -183,7 +191,7 @@ class Assembler:
                 "cumulative": self.cumulative.to_state()}
 
     def restore(self, state: dict[str, Any], layouts: list[RankLayout]) -> None:
+        self.register(layouts)  # first: the restored totals, not the layouts' capacity, are the gauges
         self.last_emitted = state["last_emitted"]
         self.counts.update(state["counts"])
         self.cumulative.restore(state["cumulative"])
-        self.register(layouts)

@@ -30,7 +30,8 @@ assert len(COUNTER_KEYS) == NUM_COUNTERS
 @dataclass(frozen=True)
 class RankLayout:
     """A rank's static stats layout. `life_cycles`: (id, pool group, window key, kind) each; `pool_groups`:
-    (id, slot bytes, window keys) each. Ranks with equal `shape` merge as one block of rows."""
+    (id, slot bytes, window keys) each. Ranks with equal `shape` merge as one block of rows. `max_num_blocks`
+    and `tokens_per_block`: the primary tier's capacity (kvCacheStats before the first iteration)."""
 
     rank: int
     dp_rank: int
@@ -38,6 +39,8 @@ class RankLayout:
     incarnation: str
     life_cycles: tuple[tuple[int, int, str, str], ...]
     pool_groups: tuple[tuple[int, int, tuple[int, ...]], ...]
+    max_num_blocks: int = 0
+    tokens_per_block: int = 0
     shape: tuple = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -133,3 +133,12 @@ def test_a_replaced_engines_late_ingest_is_refused_and_the_new_numbering_stands(
     new_incarnation = new_cluster.layouts[0].incarnation
     assert all(body.details[r["iter"]][0].incarnation == new_incarnation for r in records[3:])
     assert body.asm.counts["rejected"] == 0 and body.asm.counts["duplicates"] == 0
+
+
+def test_kv_cache_stats_report_the_capacity_from_the_registered_layouts_before_any_iteration():
+    cluster = FakeCluster(2, 2)
+    body = StatsAggregatorImpl("e", 4, 2, checkpoint=MemoryCheckpoint())
+    asyncio.run(body.register(cluster.layouts))
+    stats = asyncio.run(body.kv_cache_stats())
+    assert stats["maxNumBlocks"] == 200 and stats["freeNumBlocks"] == 200 and stats["usedNumBlocks"] == 0
+    assert stats["tokensPerBlock"] == 16 and stats["allocTotalBlocks"] == 0 and stats["cacheHitRate"] == 0.0

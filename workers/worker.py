@@ -122,7 +122,8 @@ def layout_of(kv: KVCacheManager, spec: RankSpec, incarnation: str) -> RankLayou
     return RankLayout(
         spec.rank, spec.dp_rank, spec.tp_rank, incarnation,
         life_cycles=tuple((lc.id, lc.pool_group, lc.window_key, lc.kind) for lc in kv.life_cycles),
-        pool_groups=tuple((pg.id, pg.slot_bytes, tuple(pg.window_keys)) for pg in kv.pool_groups))
+        pool_groups=tuple((pg.id, pg.slot_bytes, tuple(pg.window_keys)) for pg in kv.pool_groups),
+        max_num_blocks=kv.get_kv_cache_stats().max_num_blocks, tokens_per_block=kv.tokens_per_block)
 
 
 class _Req:
