@@ -29,6 +29,9 @@ from .merge import merge, views_of
 _COUNTERS = [KV_STATS.index(k) for k in KV_STATS_COUNTERS]
 _GAUGES = [KV_STATS.index(k) for k in KV_STATS_GAUGES]
 _TPB = KV_STATS.index("tokensPerBlock")
+# TensorRT-LLM's tier names per cache level (kv_cache_stats.py's cache_level_tiers: "gpu", "host", "disk");
+# level 0 is the primary tier, on CPU ranks too
+CACHE_LEVEL_TIERS = ("gpu", "host")
 COUNT_KEYS = ("iterations", "records", "incomplete", "deltas", "duplicates", "rejected", "tp_divergences",
               "late_deltas")
 
@@ -156,7 +159,8 @@ class Assembler:
         s = merged.sched
         eng = {k: int(it.engine.get(k, 0)) for k in ENGINE_FIGURES}
         gen = s["numGenRequests"]
-        secondary = any(b.get("secondaryMaxNumBlocks") for b in merged.views["kvCacheIterationStats"].values())
+        tiers = CACHE_LEVEL_TIERS[:1 + any(b.get("secondaryMaxNumBlocks")
+                                           for b in merged.views["kvCacheIterationStatsByPoolGroup"].values())]
         routing = {} if it.routing is None else {"routing": it.routing}
         return {
             "iter": it.iteration, "timestamp": iso_timestamp(it.timestamp), "engineId": self.engine_id,
@@ -171,8 +175,9 @@ class Assembler:
                 "numGenRequests": gen, "numPausedRequests": s["numPausedRequests"], "numCtxTokens": s["numCtxTokens"],
                 "avgNumDecodedTokensPerIter": s["numGenTokens"] / gen if gen else 0.0},
             "iterSuspendedRequests": s["iterSuspendedRequests"], "iterResumedRequests": s["iterResumedRequests"],
-            "kvCacheLevelTiers": ["GPU_MEMORY", "HOST_MEMORY"] if secondary else ["GPU_MEMORY"],
-            "iterCachedTokensByLevel": {"GPU_MEMORY": s["iterCachedTokens"]}, **routing,
+            "kvCacheLevelTiers": list(tiers),
+            "iterCachedTokensByLevel": [s[f"iterCachedTokensLevel{level}"] for level in range(len(tiers))],
+            **routing,
         }
 
     def rank_record(self, d: RankDelta, iteration: int) -> dict[str, Any]:

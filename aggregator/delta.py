@@ -20,7 +20,8 @@ KV_STATS = ("maxNumBlocks", "freeNumBlocks", "usedNumBlocks", "tokensPerBlock", 
             "allocNewBlocks", "reusedBlocks", "missedBlocks")
 # the rank's own figures for the iteration (TensorRT-LLM iteration-stats names where one exists)
 SCHED = ("stepUs", "numScheduledRequests", "numContextRequests", "numGenRequests", "numPausedRequests",
-         "numCtxTokens", "numGenTokens", "iterSuspendedRequests", "iterResumedRequests", "iterCachedTokens",
+         "numCtxTokens", "numGenTokens", "iterSuspendedRequests", "iterResumedRequests",
+         "iterCachedTokensLevel0", "iterCachedTokensLevel1",
          "gpuMemUsage", "cpuMemUsage", "pinnedMemUsage")
 KV_STATS_INDEX = {k: i for i, k in enumerate(KV_STATS)}
 SCHED_INDEX = {k: i for i, k in enumerate(SCHED)}
@@ -55,7 +56,7 @@ class RankLayout:
         return self.num_counters + len(self.pool_groups) * NUM_GAUGES + len(KV_STATS) + len(SCHED)
 
     def parts(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(counters [.., lc, 15], gauges [.., pg, 14], kv stats [.., 8], sched [.., 13]) views of row(s)."""
+        """(counters [.., lc, 15], gauges [.., pg, 14], kv stats [.., 8], sched [.., 14]) views of row(s)."""
         c = self.num_counters
         g = c + len(self.pool_groups) * NUM_GAUGES
         k = g + len(KV_STATS)
