@@ -22,7 +22,7 @@ import numpy as np
 
 from kvcache.stats import hit_rate
 
-from .delta import ENGINE_FIGURES, KV_STATS, SCHED, Iteration, RankDelta, RankLayout
+from .delta import ENGINE_FIGURES, FLOAT_FIGURES, KV_STATS, SCHED, Iteration, RankDelta, RankLayout
 from .fields import KV_STATS_COUNTERS, KV_STATS_GAUGES
 from .merge import merge, views_of
 
@@ -32,6 +32,11 @@ _TPB = KV_STATS.index("tokensPerBlock")
 # TensorRT-LLM's tier names per cache level (kv_cache_stats.py's cache_level_tiers: "gpu", "host", "disk");
 # level 0 is the primary tier, on CPU ranks too
 CACHE_LEVEL_TIERS = ("gpu", "host")
+# what TensorRT-LLM reports without a batch-size tuner, and the static-batching stats of an inflight-batching
+# engine (its iteration-stats report builder writes these zeros)
+NO_TUNER = {"maxBatchSizeTunerRecommended": 0, "maxNumTokensTunerRecommended": 0}
+STATIC_BATCHING_STATS = {"numScheduledRequests": 0, "numContextRequests": 0, "numCtxTokens": 0, "numGenTokens": 0,
+                         "emptyGenSlots": 0}
 COUNT_KEYS = ("iterations", "records", "incomplete", "deltas", "duplicates", "rejected", "tp_divergences",
               "late_deltas")
 
@@ -157,7 +162,7 @@ class Assembler:
         c["incomplete"] += bool(missing)
         c["tp_divergences"] += len(merged.tp_divergence)
         s = merged.sched
-        eng = {k: int(it.engine.get(k, 0)) for k in ENGINE_FIGURES}
+        eng = {k: (float if k in FLOAT_FIGURES else int)(it.engine.get(k, 0)) for k in ENGINE_FIGURES}
         gen = s["numGenRequests"]
         tiers = CACHE_LEVEL_TIERS[:1 + any(b.get("secondaryMaxNumBlocks")
                                            for b in merged.views["kvCacheIterationStatsByPoolGroup"].values())]
@@ -168,12 +173,13 @@ class Assembler:
             "missingRanks": missing, "complete": not missing, "lateDeltas": 0,
             "tpDivergence": merged.tp_divergence, "errors": merged.errors + errors,
             "kvCacheStats": self.cumulative.stats(), **merged.views,
-            "iterLatencyMS": s["stepUs"] / 1000, **eng,
+            "iterLatencyMS": s["stepUs"] / 1000, **eng, **NO_TUNER,
             "gpuMemUsage": s["gpuMemUsage"], "cpuMemUsage": s["cpuMemUsage"], "pinnedMemUsage": s["pinnedMemUsage"],
             "inflightBatchingStats": {
                 "numScheduledRequests": s["numScheduledRequests"], "numContextRequests": s["numContextRequests"],
                 "numGenRequests": gen, "numPausedRequests": s["numPausedRequests"], "numCtxTokens": s["numCtxTokens"],
                 "avgNumDecodedTokensPerIter": s["numGenTokens"] / gen if gen else 0.0},
+            "staticBatchingStats": dict(STATIC_BATCHING_STATS),
             "iterSuspendedRequests": s["iterSuspendedRequests"], "iterResumedRequests": s["iterResumedRequests"],
             "kvCacheLevelTiers": list(tiers),
             "iterCachedTokensByLevel": [s[f"iterCachedTokensLevel{level}"] for level in range(len(tiers))],

@@ -97,6 +97,8 @@ class Iteration:
     routing: dict | None = None  # the placement figures of the iteration (workers/placement.py), if any
 
 
-# the engine's figures for an iteration (TensorRT-LLM names)
+# the engine's figures for an iteration (TensorRT-LLM names), ints but the queue latency
 ENGINE_FIGURES = ("numActiveRequests", "numQueuedRequests", "numCompletedRequests", "numNewActiveRequests",
-                  "maxNumActiveRequests")
+                  "maxNumActiveRequests", "maxBatchSizeStatic", "maxBatchSizeRuntime", "maxNumTokensStatic",
+                  "maxNumTokensRuntime", "newActiveRequestsQueueLatencyMS")
+FLOAT_FIGURES = ("newActiveRequestsQueueLatencyMS",)

@@ -68,3 +68,29 @@ def test_trtllm_collector_reads_cached_tokens_by_level_with_host_hits_in_their_o
     # the repeated prompt's 64 reusable tokens were all on the host tier when it came back
     assert counter.get(("1", "host"), 0) >= 64
     assert sum(counter.values()) == sum(sum(r["iterCachedTokensByLevel"]) for r in records)
+
+
+# the top-level fields TensorRT-LLM's own /metrics test asserts in a record
+# (tests/unittest/llmapi/apps/_test_openai_metrics.py in NVIDIA/TensorRT-LLM)
+TRT_TOP = ["cpuMemUsage", "gpuMemUsage", "inflightBatchingStats", "iter", "iterLatencyMS", "kvCacheStats",
+           "maxBatchSizeRuntime", "maxBatchSizeStatic", "maxBatchSizeTunerRecommended", "maxNumActiveRequests",
+           "maxNumTokensRuntime", "maxNumTokensStatic", "maxNumTokensTunerRecommended",
+           "newActiveRequestsQueueLatencyMS", "numActiveRequests", "numCompletedRequests", "numNewActiveRequests",
+           "numQueuedRequests", "pinnedMemUsage", "staticBatchingStats", "timestamp", "kvCacheIterationStats"]
+
+
+def test_a_record_has_trtllm_serves_fields_with_its_types_and_real_values():
+    records = asyncio.run(_records())
+    for rec in records:
+        assert [k for k in TRT_TOP if k not in rec] == []
+        # make_engine: one dp group of max_num_seqs (Settings' default) and max_num_batched_tokens 48
+        assert rec["maxBatchSizeStatic"] == rec["maxBatchSizeRuntime"] == rec["maxNumActiveRequests"] > 0
+        assert rec["maxNumTokensStatic"] == rec["maxNumTokensRuntime"] == 48
+        assert rec["maxBatchSizeTunerRecommended"] == rec["maxNumTokensTunerRecommended"] == 0  # no tuner
+        assert set(rec["staticBatchingStats"]) == {"numScheduledRequests", "numContextRequests", "numCtxTokens",
+                                                   "numGenTokens", "emptyGenSlots"}
+        assert isinstance(rec["newActiveRequestsQueueLatencyMS"], float)
+        assert (rec["newActiveRequestsQueueLatencyMS"] > 0) == (rec["numNewActiveRequests"] > 0)
+        for bucket in rec["kvCacheIterationStatsByPoolGroup"].values():
+            assert isinstance(bucket["slotSize"], list) and all(isinstance(b, int) for b in bucket["slotSize"])
+    assert any(r["numNewActiveRequests"] for r in records)
