@@ -10,10 +10,21 @@ cluster records read by cursor (`query`, never removing anything), a long poll f
   registered layouts are stored there too, once per registration;
 - a restarted actor (same actor id) restores both, with `aggregatorEpoch` one higher; the engine sees the new
   epoch in a reply and re-sends every iteration not yet acknowledged. The cumulative `kvCacheStats` continue
-  from the checkpoint, so they never go backwards; the newest TAIL_RECORDS records are checkpointed too (one
-  slot per record, written before the ack), so a reader that had not yet fetched the last records before the
+  from the checkpoint, so they never go backwards; the newest records are checkpointed too (a ring of
+  2 * TAIL_RECORDS slots, one per record), so a reader that had not yet fetched the last records before the
   restart still gets every record: the stream has no gap. Older buffered records are gone (the ingress
   mirrors keep theirs).
+
+One engine feeds an aggregator at a time. The engine's first `register` attaches it: a new session number
+(checkpointed before the reply), and the reply's `acked` is where the engine's iterations continue. Every
+later call carries the session, and a call of an earlier session is refused (`StaleSession`): a replaced engine
+replica's last ingest, still in flight (Ray retries it), can never be merged into the new engine's numbering.
+
+Every crash point leaves a consistent checkpoint: an ingest checkpoints at most TAIL_RECORDS iterations at a
+time, their slots first, then the state. Slots written after the last state save hold iterations the state
+does not cover (ignored at restore: the engine re-sends them), and they can overwrite only the oldest
+TAIL_RECORDS of the ring, so the newest TAIL_RECORDS records that the state covers always survive. (Writing a
+whole large batch's slots before one state save overwrote exactly the records that state covered.)
 """
 
 from __future__ import annotations
@@ -36,10 +47,15 @@ from .metrics import render_metrics
 log = logging.getLogger("kvfleet.aggregator")
 _KV_NAMESPACE = "kvfleet"
 WAIT_LIMIT = 1000  # most records one wait_records call returns
-TAIL_RECORDS = 256  # the newest records a restart restores (a ring of slots in the checkpoint)
+TAIL_RECORDS = 256  # a restart restores at least this many of the newest records its checkpoint covers
+TAIL_SLOTS = 2 * TAIL_RECORDS  # the ring of record slots: one state save per TAIL_RECORDS slots written
 
 
 NAMESPACE = "kvfleet"  # the aggregator's Ray namespace: a new engine replica (or an operator) finds it by name
+
+
+class StaleSession(RuntimeError):
+    """A call of an engine that another engine has replaced (a later attach)."""
 
 
 def aggregator_name(engine_id: str) -> str:
@@ -85,6 +101,7 @@ class StatsAggregatorImpl:
         self.totals: dict[str, dict[str, dict[str, int]]] = (saved or {}).get("totals") or {WINDOW_VIEW: {},
                                                                                             POOL_VIEW: {}}
         self.completed = (saved or {}).get("completed", 0)  # requests, over every record emitted
+        self.session = (saved or {}).get("session", 0)  # of the engine attached last
         if saved:
             for rec in self._load_tail():
                 self.buffer.append(rec)
@@ -106,43 +123,65 @@ class StatsAggregatorImpl:
 
     def _save_tail(self, records: list[dict[str, Any]]) -> None:
         """Each new record into its slot of the checkpoint's tail ring (O(records emitted))."""
-        for rec in records[-TAIL_RECORDS:]:
-            self._ckpt.save(f"rec/{rec['iter'] % TAIL_RECORDS}", rec)
+        for rec in records:
+            self._ckpt.save(f"rec/{rec['iter'] % TAIL_SLOTS}", rec)
 
     def _load_tail(self) -> list[dict[str, Any]]:
         """The tail ring's records up to the restored last emitted iteration, oldest first (a slot written after
         the last state save holds an iteration the engine sends again)."""
         last = self.asm.last_emitted
-        recs = [self._ckpt.load(f"rec/{slot}") for slot in range(TAIL_RECORDS)] if last is not None else []
+        recs = [self._ckpt.load(f"rec/{slot}") for slot in range(TAIL_SLOTS)] if last is not None else []
         return sorted((r for r in recs if r is not None and r["iter"] <= last), key=lambda r: r["iter"])
 
     def _save_state(self) -> None:
-        self._ckpt.save("state", {**self.asm.checkpoint(), "totals": self.totals, "completed": self.completed})
+        self._ckpt.save("state", {**self.asm.checkpoint(), "totals": self.totals, "completed": self.completed,
+                                  "session": self.session})
 
     def _reply(self) -> dict[str, Any]:
-        return {"epoch": self.asm.epoch, "acked": self.asm.last_emitted}
+        return {"epoch": self.asm.epoch, "acked": self.asm.last_emitted, "session": self.session}
+
+    def _check_session(self, session: int | None) -> None:
+        """Refuse a call of a replaced engine (None: an unfenced caller, tests and tools)."""
+        if session is not None and session != self.session:
+            raise StaleSession(f"engine session {session} was replaced by session {self.session}: "
+                               f"its calls are refused")
 
     # ---------------------------------------------------------------- the engine's calls
 
-    async def register(self, layouts: list[RankLayout]) -> dict[str, Any]:
-        """Ranks' static layouts (once per incarnation), before their first deltas."""
+    async def register(self, layouts: list[RankLayout], session: int | None = None) -> dict[str, Any]:
+        """Ranks' static layouts (once per incarnation), before their first deltas. Without a session it
+        attaches a new engine: the reply's `session` fences every earlier engine off, its `acked` is the
+        last iteration emitted (the new engine continues after it)."""
+        self._check_session(session)
+        if session is None:
+            self.session += 1
+            self._save_state()
+            log.info("stats aggregator %s: engine session %d attached after iteration %s", self.engine_id,
+                     self.session, self.asm.last_emitted)
         self.asm.register(layouts)
         self._ckpt.save("layouts", list(self.asm.layouts.values()))
+        if self.asm.last_emitted is None:  # the capacity is known from the layouts, before any iteration
+            self._reported_stats = self.asm.cumulative.stats()
         return self._reply()
 
-    async def ingest(self, iterations: list[Iteration]) -> dict[str, Any]:
-        """Take iterations (deltas, or object refs of deltas); the reply's `acked` is the newest iteration
-        that a record holds and the checkpoint covers: the engine may forget everything up to it."""
+    async def ingest(self, iterations: list[Iteration], session: int | None = None) -> dict[str, Any]:
+        """Take iterations (deltas, or object refs of deltas) of the attached engine's `session`; the reply's
+        `acked` is the newest iteration that a record holds and the checkpoint covers: the engine may forget
+        everything up to it."""
+        self._check_session(session)
         for i, it in enumerate(iterations):
             if isinstance(it, Iteration) and any(isinstance(d, ray.ObjectRef) for d in it.deltas):
                 iterations[i] = Iteration(it.iteration, it.timestamp, list(await asyncio.gather(*it.deltas)),
                                           it.missing, it.engine, it.routing)
-        records = self.asm.ingest(iterations)
-        if records:
-            self._reported_stats = records[-1]["kvCacheStats"]
-            self._save_tail(records)  # before the state: what the state covers is always restorable
-            self._publish(records, iterations)
-            self._save_state()
+        self.asm.check(iterations)  # a bad batch is refused whole, before anything is counted
+        for start in range(0, len(iterations), TAIL_RECORDS):
+            chunk = iterations[start:start + TAIL_RECORDS]
+            records = self.asm.ingest(chunk)
+            if records:
+                self._reported_stats = records[-1]["kvCacheStats"]
+                self._save_tail(records)  # before the state: what the state covers is always restorable
+                self._publish(records, chunk)
+                self._save_state()
         return self._reply()
 
     def _publish(self, records: list[dict[str, Any]], iterations: list[Iteration]) -> None:

@@ -22,13 +22,21 @@ import numpy as np
 
 from kvcache.stats import hit_rate
 
-from .delta import ENGINE_FIGURES, KV_STATS, SCHED, Iteration, RankDelta, RankLayout
+from .delta import ENGINE_FIGURES, FLOAT_FIGURES, KV_STATS, SCHED, Iteration, RankDelta, RankLayout
 from .fields import KV_STATS_COUNTERS, KV_STATS_GAUGES
 from .merge import merge, views_of
 
 _COUNTERS = [KV_STATS.index(k) for k in KV_STATS_COUNTERS]
 _GAUGES = [KV_STATS.index(k) for k in KV_STATS_GAUGES]
 _TPB = KV_STATS.index("tokensPerBlock")
+# TensorRT-LLM's tier names per cache level (kv_cache_stats.py's cache_level_tiers: "gpu", "host", "disk");
+# level 0 is the primary tier, on CPU ranks too
+CACHE_LEVEL_TIERS = ("gpu", "host")
+# what TensorRT-LLM reports without a batch-size tuner, and the static-batching stats of an inflight-batching
+# engine (its iteration-stats report builder writes these zeros)
+NO_TUNER = {"maxBatchSizeTunerRecommended": 0, "maxNumTokensTunerRecommended": 0}
+STATIC_BATCHING_STATS = {"numScheduledRequests": 0, "numContextRequests": 0, "numCtxTokens": 0, "numGenTokens": 0,
+                         "emptyGenSlots": 0}
 COUNT_KEYS = ("iterations", "records", "incomplete", "deltas", "duplicates", "rejected", "tp_divergences",
               "late_deltas")
 
@@ -45,6 +53,13 @@ class Cumulative:
         self.gauges: dict[int, list[int]] = {}  # rank -> its live incarnation's latest gauges
         self.floor = [0] * len(_COUNTERS)
         self.tokens_per_block = 0
+
+    def seed(self, layout: RankLayout) -> None:
+        """A new incarnation's empty cache, from its registered capacity: known before its first delta."""
+        if layout.tp_rank != 0 or (layout.rank, layout.incarnation) in self.banked:
+            return
+        self.gauges[layout.rank] = [layout.max_num_blocks, layout.max_num_blocks, 0]  # KV_STATS_GAUGES order
+        self.tokens_per_block = self.tokens_per_block or layout.tokens_per_block
 
     def update(self, layout: RankLayout, kv_stats: np.ndarray) -> None:
         if layout.tp_rank != 0:
@@ -94,13 +109,22 @@ class Assembler:
             if (lay.dp_rank, lay.tp_rank) != divmod(lay.rank, self.tp):
                 raise ValueError(f"register: rank {lay.rank} is not dp {lay.dp_rank} tp {lay.tp_rank} at tp {self.tp}")
             self.layouts[(lay.rank, lay.incarnation)] = lay
+            self.cumulative.seed(lay)
 
-    def ingest(self, iterations: list[Iteration]) -> list[dict[str, Any]]:
-        """Records for the iterations not seen before, in order."""
-        records = []
+    @staticmethod
+    def check(iterations: list[Iteration]) -> None:
+        """Raise ValueError for a batch that is not a list of Iteration objects."""
+        if not isinstance(iterations, list):
+            raise ValueError(f"ingest takes a list of Iteration objects, got {type(iterations).__name__}")
         for it in iterations:
             if not isinstance(it, Iteration):
                 raise ValueError(f"ingest takes Iteration objects, got {type(it).__name__}")
+
+    def ingest(self, iterations: list[Iteration]) -> list[dict[str, Any]]:
+        """Records for the iterations not seen before, in order (a bad batch changes nothing)."""
+        self.check(iterations)
+        records = []
+        for it in iterations:
             if self.last_emitted is not None and it.iteration <= self.last_emitted:
                 self.counts["duplicates"] += len(it.deltas)
                 continue
@@ -138,9 +162,10 @@ class Assembler:
         c["incomplete"] += bool(missing)
         c["tp_divergences"] += len(merged.tp_divergence)
         s = merged.sched
-        eng = {k: int(it.engine.get(k, 0)) for k in ENGINE_FIGURES}
+        eng = {k: (float if k in FLOAT_FIGURES else int)(it.engine.get(k, 0)) for k in ENGINE_FIGURES}
         gen = s["numGenRequests"]
-        secondary = any(b.get("secondaryMaxNumBlocks") for b in merged.views["kvCacheIterationStats"].values())
+        tiers = CACHE_LEVEL_TIERS[:1 + any(b.get("secondaryMaxNumBlocks")
+                                           for b in merged.views["kvCacheIterationStatsByPoolGroup"].values())]
         routing = {} if it.routing is None else {"routing": it.routing}
         return {
             "iter": it.iteration, "timestamp": iso_timestamp(it.timestamp), "engineId": self.engine_id,
@@ -148,15 +173,17 @@ class Assembler:
             "missingRanks": missing, "complete": not missing, "lateDeltas": 0,
             "tpDivergence": merged.tp_divergence, "errors": merged.errors + errors,
             "kvCacheStats": self.cumulative.stats(), **merged.views,
-            "iterLatencyMS": s["stepUs"] / 1000, **eng,
+            "iterLatencyMS": s["stepUs"] / 1000, **eng, **NO_TUNER,
             "gpuMemUsage": s["gpuMemUsage"], "cpuMemUsage": s["cpuMemUsage"], "pinnedMemUsage": s["pinnedMemUsage"],
             "inflightBatchingStats": {
                 "numScheduledRequests": s["numScheduledRequests"], "numContextRequests": s["numContextRequests"],
                 "numGenRequests": gen, "numPausedRequests": s["numPausedRequests"], "numCtxTokens": s["numCtxTokens"],
                 "avgNumDecodedTokensPerIter": s["numGenTokens"] / gen if gen else 0.0},
+            "staticBatchingStats": dict(STATIC_BATCHING_STATS),
             "iterSuspendedRequests": s["iterSuspendedRequests"], "iterResumedRequests": s["iterResumedRequests"],
-            "kvCacheLevelTiers": ["GPU_MEMORY", "HOST_MEMORY"] if secondary else ["GPU_MEMORY"],
-            "iterCachedTokensByLevel": {"GPU_MEMORY": s["iterCachedTokens"]}, **routing,
+            "kvCacheLevelTiers": list(tiers),
+            "iterCachedTokensByLevel": [s[f"iterCachedTokensLevel{level}"] for level in range(len(tiers))],
+            **routing,
         }
 
     def rank_record(self, d: RankDelta, iteration: int) -> dict[str, Any]:
@@ -175,7 +202,7 @@ class Assembler:
                 "cumulative": self.cumulative.to_state()}
 
     def restore(self, state: dict[str, Any], layouts: list[RankLayout]) -> None:
+        self.register(layouts)  # first: the restored totals, not the layouts' capacity, are the gauges
         self.last_emitted = state["last_emitted"]
         self.counts.update(state["counts"])
         self.cumulative.restore(state["cumulative"])
-        self.register(layouts)

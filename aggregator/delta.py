@@ -20,7 +20,8 @@ KV_STATS = ("maxNumBlocks", "freeNumBlocks", "usedNumBlocks", "tokensPerBlock", 
             "allocNewBlocks", "reusedBlocks", "missedBlocks")
 # the rank's own figures for the iteration (TensorRT-LLM iteration-stats names where one exists)
 SCHED = ("stepUs", "numScheduledRequests", "numContextRequests", "numGenRequests", "numPausedRequests",
-         "numCtxTokens", "numGenTokens", "iterSuspendedRequests", "iterResumedRequests", "iterCachedTokens",
+         "numCtxTokens", "numGenTokens", "iterSuspendedRequests", "iterResumedRequests",
+         "iterCachedTokensLevel0", "iterCachedTokensLevel1",
          "gpuMemUsage", "cpuMemUsage", "pinnedMemUsage")
 KV_STATS_INDEX = {k: i for i, k in enumerate(KV_STATS)}
 SCHED_INDEX = {k: i for i, k in enumerate(SCHED)}
@@ -30,7 +31,8 @@ assert len(COUNTER_KEYS) == NUM_COUNTERS
 @dataclass(frozen=True)
 class RankLayout:
     """A rank's static stats layout. `life_cycles`: (id, pool group, window key, kind) each; `pool_groups`:
-    (id, slot bytes, window keys) each. Ranks with equal `shape` merge as one block of rows."""
+    (id, slot bytes, window keys) each. Ranks with equal `shape` merge as one block of rows. `max_num_blocks`
+    and `tokens_per_block`: the primary tier's capacity (kvCacheStats before the first iteration)."""
 
     rank: int
     dp_rank: int
@@ -38,6 +40,8 @@ class RankLayout:
     incarnation: str
     life_cycles: tuple[tuple[int, int, str, str], ...]
     pool_groups: tuple[tuple[int, int, tuple[int, ...]], ...]
+    max_num_blocks: int = 0
+    tokens_per_block: int = 0
     shape: tuple = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -52,7 +56,7 @@ class RankLayout:
         return self.num_counters + len(self.pool_groups) * NUM_GAUGES + len(KV_STATS) + len(SCHED)
 
     def parts(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(counters [.., lc, 15], gauges [.., pg, 14], kv stats [.., 8], sched [.., 13]) views of row(s)."""
+        """(counters [.., lc, 15], gauges [.., pg, 14], kv stats [.., 8], sched [.., 14]) views of row(s)."""
         c = self.num_counters
         g = c + len(self.pool_groups) * NUM_GAUGES
         k = g + len(KV_STATS)
@@ -93,6 +97,8 @@ class Iteration:
     routing: dict | None = None  # the placement figures of the iteration (workers/placement.py), if any
 
 
-# the engine's figures for an iteration (TensorRT-LLM names)
+# the engine's figures for an iteration (TensorRT-LLM names), ints but the queue latency
 ENGINE_FIGURES = ("numActiveRequests", "numQueuedRequests", "numCompletedRequests", "numNewActiveRequests",
-                  "maxNumActiveRequests")
+                  "maxNumActiveRequests", "maxBatchSizeStatic", "maxBatchSizeRuntime", "maxNumTokensStatic",
+                  "maxNumTokensRuntime", "newActiveRequestsQueueLatencyMS")
+FLOAT_FIGURES = ("newActiveRequestsQueueLatencyMS",)

@@ -48,7 +48,10 @@ def views_of(layout: RankLayout, row: np.ndarray) -> dict[str, dict[str, dict[st
     lcs = [{"id": i, "pool_group": pg, "window_key": key, "kind": kind} for i, pg, key, kind in layout.life_cycles]
     pgs = [PoolGroupSnapshot(i, slot, list(keys), tuple(g[:7].tolist()), tuple(g[7:].tolist()))
            for (i, slot, keys), g in zip(layout.pool_groups, gauges, strict=True)]
-    return KvCacheIterationReport(lcs, counters.tolist(), pgs).to_dict()
+    views = KvCacheIterationReport(lcs, counters.tolist(), pgs).to_dict()
+    for bucket in views[POOL_VIEW].values():  # TensorRT-LLM's V2 serializer: one slot size per pool of the group
+        bucket["slotSize"] = [bucket["slotSize"]]
+    return views
 
 
 def merge(rows: list[tuple[RankLayout, np.ndarray]]) -> Merged:

@@ -12,6 +12,7 @@ from deployment.sse import SSE_EVENT, SSE_HEADERS
 from deployment.sse import last_event_id as read_last_event_id
 
 MAX_STATS_LIMIT = 10_000
+TRTLLM_LIMIT = 100  # records GET /trtllm/metrics returns by default
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LIST = {"content": {"application/json": {"schema": {"type": "array", "items": {"type": "object"}}}}}
 
@@ -27,6 +28,16 @@ def last_event_id(request: Request, what: str) -> int | None:
     except ValueError:
         raise APIError(400, f"Last-Event-ID must be {what}, got {header!r}", code="invalid_last_event_id",
                        param="Last-Event-ID") from None
+
+
+async def trtllm_records(stats: StatsMirror, since: int | None, limit: int) -> list[dict]:
+    """The records as trtllm-serve's GET /metrics lists them (/trtllm is trtllm-serve's layout, for tools given a
+    trtllm-serve base URL): without `since` the newest `limit`, with it the first `limit` after it (a cursor:
+    pass the last `iter` back). Unlike trtllm-serve's, reading removes nothing."""
+    if since is not None:
+        return await stats.query(since, limit, False)
+    recs = await stats.query(-1, None, False)
+    return recs[len(recs) - limit:] if limit else []
 
 
 def stats_router(stats: StatsMirror, world_size: int) -> APIRouter:
@@ -65,6 +76,12 @@ def stats_router(stats: StatsMirror, world_size: int) -> APIRouter:
             raise APIError(404, f"rank {rank} has not reported yet", code="rank_not_reported", param="rank")
         return found
 
+    @router.get("/trtllm/metrics", responses={200: {"description": "trtllm-serve's /metrics: iteration stats, "
+                                                                  "a JSON list, oldest first", **_LIST}})
+    async def trtllm_metrics(since: int | None = Query(None, ge=-1, description="records with iter > since"),
+                             limit: int = Query(TRTLLM_LIMIT, ge=0, le=MAX_STATS_LIMIT)) -> Response:
+        return JSONResponse(await trtllm_records(stats, since, limit))
+
     @router.get("/kv_cache_stats")
     async def kv_cache_stats() -> dict:
         return await stats.kv_cache_stats()
@@ -79,6 +96,12 @@ def metrics_router(stats: StatsMirror) -> APIRouter:
     @router.get("/metrics", response_class=PlainTextResponse, responses={200: {
         "description": "Prometheus text exposition", "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics() -> Response:
+        return PlainTextResponse(await stats.metrics_text(), media_type=PROMETHEUS_CONTENT_TYPE)
+
+    @router.get("/trtllm/prometheus/metrics", response_class=PlainTextResponse, responses={200: {
+        "description": "/metrics at trtllm-serve's Prometheus path",
+        "content": {"text/plain": {"schema": {"type": "string"}}}}})
+    async def trtllm_prometheus() -> Response:
         return PlainTextResponse(await stats.metrics_text(), media_type=PROMETHEUS_CONTENT_TYPE)
 
     return router

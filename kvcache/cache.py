@@ -62,6 +62,11 @@ class KVCache:
             if self._nodes:
                 self._nodes[-1].tails += 1  # we publish under it: it stays in the tree while we live
         self.num_reused_tokens = n
+        # of the reused tokens, how many were on each tier (level 0 primary, 1 host) when the request came:
+        # TensorRT-LLM's cached_tokens_by_level (a block with a page on the host tier counts as host)
+        self.cached_tokens_by_level = [0] * (2 if cfg.host_cache_bytes else 1)
+        if n:
+            self._count_levels(n)
         self._history = n
         self._tokens = tokens[:n]
         self._capacity = n
@@ -96,6 +101,12 @@ class KVCache:
             if self._pending is not None:
                 self._pending.add_reuse(lc, counted, 1 if n % B else 0)
         self._partial_src = n % B != 0
+
+    def _count_levels(self, n: int) -> None:
+        B = self._mgr.tokens_per_block
+        for o in range(cdiv(n, B)):
+            tier = max((pages[o].tier for pages in self._pages if pages[o] is not None), default=0)
+            self.cached_tokens_by_level[tier] += min(B, n - o * B)
 
     # ---- state: num_reused_tokens <= history_length <= capacity <= max_seq_len ------------------------------
     @property

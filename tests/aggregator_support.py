@@ -31,7 +31,8 @@ class FakeRank:
 
     def restart(self) -> None:
         lcs, pgs = SHAPES[self.shape]
-        self.layout = RankLayout(self.rank, self.rank // self.tp, self.rank % self.tp, uuid.uuid4().hex, lcs, pgs)
+        self.layout = RankLayout(self.rank, self.rank // self.tp, self.rank % self.tp, uuid.uuid4().hex, lcs, pgs,
+                                 max_num_blocks=100, tokens_per_block=self.tpb)
         self.kv = [0] * len(KV_STATS)
         self.kv[KV_STATS.index("tokensPerBlock")] = self.tpb
 

@@ -131,3 +131,23 @@ def test_loadgen_reports_the_run(server, capsys):
     # every request finished one fake step of 3 allocated / 1 reused / 1 offloaded block
     assert "hit rate over the run: 33.3% (blocks reused 6, missed 12)" in out
     assert f"blocks offloaded to the host tier: 6 (over {len(server.stats.records) - before} iteration" in out
+
+
+def test_trtllm_layout_serves_the_records_as_a_json_list_and_prometheus_at_its_paths(server, http):
+    for _ in range(3):
+        server.stats.add(1, 0)
+    everything = caught_up(server, http)
+    iters = [r["iter"] for r in everything]
+    newest = http.get("/trtllm/metrics", params={"limit": 2})
+    assert newest.headers["content-type"] == "application/json"
+    assert newest.json() == everything[-2:], "not the newest records, oldest first"
+    assert http.get("/trtllm/metrics").json() == everything[-100:]
+    assert http.get("/trtllm/metrics").json() == http.get("/trtllm/metrics").json(), "reading removed records"
+    page = http.get("/trtllm/metrics", params={"since": iters[-3], "limit": 1}).json()
+    assert [r["iter"] for r in page] == [iters[-2]]
+    assert http.get("/trtllm/metrics", params={"limit": 0}).json() == []
+    _assert_openai_error(http.get("/trtllm/metrics", params={"since": -2}), 400)
+    _assert_openai_error(http.get("/trtllm/metrics", params={"limit": 10_001}), 400)
+    prom = http.get("/trtllm/prometheus/metrics")
+    assert prom.headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert "kvfleet_reused_blocks_total" in prom.text

@@ -34,10 +34,10 @@ from .models import check_model
 from .placement import Router
 from .recovery import Orphans, restart_group
 from .sampling import SamplingParams
-from .scheduler import Group, Request, TokenEvent, apply_result, plan_group
+from .scheduler import Group, Request, TokenEvent, apply_result, figures, plan_group
 from .stats_channel import StatsChannel
 from .transport import Transport, make_transport
-from .worker import StepPlan, StepResult
+from .worker import StepResult
 
 log = logging.getLogger("kvfleet.engine")
 
@@ -120,7 +120,7 @@ class Engine:
         self.router.index.max_blocks = [info["kv_slots"] for info in self.rank_info[::s.tp]]
         if s.enable_stats:
             self.stats = StatsChannel(self.aggregator)
-            await self.stats.register([info["layout"] for info in self.rank_info])
+            self.iteration = first_iteration(await self.stats.register([info["layout"] for info in self.rank_info]))
         await asyncio.gather(*[ranks.warm_up(group.workers) for group in launched])
         self._loop_task = asyncio.get_running_loop().create_task(self._loop())
         log.info("engine %s: %d ranks on %s (%s), iterations from %d, requests up to %d tokens", s.engine_id,
@@ -312,7 +312,8 @@ class Engine:
                     self.router.observe(dp, res, self._requests)
                     self._apply(self._groups[dp], res)
             if self.stats is not None:
-                self.stats.put(Iteration(self.iteration, time.time(), deltas, missing, self._figures(plans),
+                engine = figures(self._groups, plans, self.settings, self._completed)
+                self.stats.put(Iteration(self.iteration, time.time(), deltas, missing, engine,
                                          self.router.take_record()))
             self.iteration += 1
             self.steps += 1
@@ -325,15 +326,6 @@ class Engine:
             pause = min(max(2 * pause, lo), hi)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), pause)
-
-    def _figures(self, plans: list[StepPlan | None]) -> dict[str, int]:
-        """The engine's request figures of the iteration just stepped (aggregator.delta.ENGINE_FIGURES)."""
-        up = sum(1 for g in self._groups if g.down is None)
-        return {"numActiveRequests": sum(len(g.running) for g in self._groups),
-                "numQueuedRequests": sum(len(g.waiting) for g in self._groups),
-                "numCompletedRequests": self._completed,
-                "numNewActiveRequests": sum(len(p.new) for p in plans if p is not None),
-                "maxNumActiveRequests": up * self.settings.max_num_seqs}
 
     def _group_failed(self, dp: int, failure: ranks.StepFailure) -> None:
         """A dead rank takes its dp group down (the others go on): its requests are re-queued and the group

@@ -9,6 +9,7 @@ then on prefill chunks, oldest first.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +45,7 @@ class Request:
     predicted: int = -1  # reused blocks its placement predicted; -1 until placed and once counted
     counted: bool = False  # in a record's `routing` (once, on the group of its first commit: not again if moved)
     hit_tokens: int = 0  # prompt tokens its placement expects the rank to find cached (the group's load)
+    queued_at: float = field(default_factory=time.monotonic)  # since when it waits for a place on a group
 
     @property
     def total(self) -> int:
@@ -55,6 +57,7 @@ class Request:
         self.created = False
         self.known_history = 0
         self.append = None
+        self.queued_at = time.monotonic()
 
 
 @dataclass
@@ -66,6 +69,7 @@ class Group:
     failures: int = 0  # deaths and failed restarts since it last ran a request
     stays_down: bool = False  # failed too often in a row: not restarted again
     restarts: int = 0
+    admitted: list = field(default_factory=list)  # queue times (s) of the requests its last plan admitted
 
     @property
     def load(self) -> int:
@@ -126,8 +130,11 @@ def plan_group(g: Group, iteration: int, s: Any) -> StepPlan:
     chunks, oldest first."""
     plan = StepPlan(iteration, close=g.to_close)
     g.to_close = []
+    g.admitted = []
+    now = time.monotonic()
     while g.waiting and len(g.running) < s.max_num_seqs:
         req = g.waiting.popleft()
+        g.admitted.append(now - req.queued_at)
         # a re-queued request prefills what it already generated too, and its sampler goes on where it was
         plan.new.append(NewRequest(req.id, req.prompt + req.generated, req.params, req.cache_salt,
                                    drawn=len(req.generated), block_keys=req.block_keys))
@@ -151,3 +158,19 @@ def plan_group(g: Group, iteration: int, s: Any) -> StepPlan:
             plan.work.append(Work(r.id, given[r.id], r.append))
             r.append = None
     return plan
+
+
+def figures(groups: list[Group], plans: list[StepPlan | None], s: Any, completed: int) -> dict[str, float]:
+    """The engine's figures of the iteration just stepped (aggregator.delta.ENGINE_FIGURES): requests, and the
+    batch limits of the configuration (static) and of the groups that are up (runtime)."""
+    up = sum(1 for g in groups if g.down is None)
+    waits = [w for g, p in zip(groups, plans, strict=True) if p is not None for w in g.admitted]
+    return {"numActiveRequests": sum(len(g.running) for g in groups),
+            "numQueuedRequests": sum(len(g.waiting) for g in groups),
+            "numCompletedRequests": completed,
+            "numNewActiveRequests": sum(len(p.new) for p in plans if p is not None),
+            "maxNumActiveRequests": up * s.max_num_seqs,
+            "maxBatchSizeStatic": len(groups) * s.max_num_seqs, "maxBatchSizeRuntime": up * s.max_num_seqs,
+            "maxNumTokensStatic": len(groups) * s.max_num_batched_tokens,
+            "maxNumTokensRuntime": up * s.max_num_batched_tokens,
+            "newActiveRequestsQueueLatencyMS": 1000 * sum(waits) / len(waits) if waits else 0.0}

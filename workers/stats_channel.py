@@ -7,7 +7,8 @@ thing Ray cannot know: the engine keeps every iteration until a reply acknowledg
 only what its checkpoint covers), and when a reply shows a new aggregator epoch it re-sends everything not
 acknowledged; ingest is idempotent by iteration, so re-sending never counts twice. Only if the aggregator
 stays unreachable for `max_unacked` iterations are the oldest dropped (logged; their counts stay in the
-ranks' cumulative kvCacheStats).
+ranks' cumulative kvCacheStats). The first `register` attaches this engine (a session that every later call
+carries); once another engine attaches, the aggregator refuses this one's calls and the channel stops.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import logging
 from collections import deque
 from typing import Any
 
+from aggregator.actor import StaleSession
 from aggregator.delta import Iteration
 
 from .errors import one_line
@@ -34,6 +36,7 @@ class StatsChannel:
         self.unacked: deque[Iteration] = deque()
         self.sent = -1  # newest iteration sent to the current aggregator epoch
         self.epoch: int | None = None
+        self.session: int | None = None  # from the attach (the first register)
         self.acked = -1
         self.dropped = 0
         self._wake = asyncio.Event()
@@ -53,9 +56,12 @@ class StatsChannel:
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run())
 
-    async def register(self, layouts: list) -> None:
-        reply = await self.aggregator.register.remote(layouts)
-        self.epoch = reply["epoch"]
+    async def register(self, layouts: list) -> int | None:
+        """Register rank layouts; the first call attaches the engine. The aggregator's last emitted iteration
+        (the engine's iterations continue after the one its attach returned)."""
+        reply = await self.aggregator.register.remote(layouts, self.session)
+        self.epoch, self.session = reply["epoch"], reply["session"]
+        return reply["acked"]
 
     async def drained(self) -> None:
         """Until every queued iteration is acknowledged (tests, shutdown)."""
@@ -74,7 +80,12 @@ class StatsChannel:
             while self.unacked and self.unacked[-1].iteration > self.sent:
                 batch = [it for it in self.unacked if it.iteration > self.sent]
                 try:
-                    reply = await self.aggregator.ingest.remote(batch)
+                    reply = await self.aggregator.ingest.remote(batch, self.session)
+                except StaleSession as e:  # replaced by a new engine: what is left here is not ours to send
+                    log.warning("stats: %s; %d iterations not sent", one_line(e), len(self.unacked))
+                    self.unacked.clear()
+                    self._idle.set()
+                    return
                 except Exception as e:  # not restartable (killed for good), or a bad batch: retry, then log
                     pause = min(max(2 * pause, self.retry_s[0]), self.retry_s[1])
                     log.warning("stats: ingest failed (%s), retrying in %.2f s", one_line(e), pause)

@@ -122,7 +122,8 @@ def layout_of(kv: KVCacheManager, spec: RankSpec, incarnation: str) -> RankLayou
     return RankLayout(
         spec.rank, spec.dp_rank, spec.tp_rank, incarnation,
         life_cycles=tuple((lc.id, lc.pool_group, lc.window_key, lc.kind) for lc in kv.life_cycles),
-        pool_groups=tuple((pg.id, pg.slot_bytes, tuple(pg.window_keys)) for pg in kv.pool_groups))
+        pool_groups=tuple((pg.id, pg.slot_bytes, tuple(pg.window_keys)) for pg in kv.pool_groups),
+        max_num_blocks=kv.get_kv_cache_stats().max_num_blocks, tokens_per_block=kv.tokens_per_block)
 
 
 class _Req:
@@ -207,7 +208,7 @@ class RankWorker:
                          if recording else set())
         reused = {}
         first_reuse: dict[str, int] = {}
-        cached = 0  # tokens the new requests found in the prefix cache
+        cached = [0, 0]  # tokens the new requests found in the prefix cache, on the primary / the host tier
         for new in plan.new:
             req = self.reqs[new.request_id] = _Req(new, self.device)
             try:
@@ -216,7 +217,8 @@ class RankWorker:
                 self._fail(req, e, failed)
                 continue
             reused[req.id] = req.kv.num_reused_tokens
-            cached += 0 if new.warmup else req.kv.num_reused_tokens
+            for level, tokens in enumerate([] if new.warmup else req.kv.cached_tokens_by_level):
+                cached[level] += tokens
         order = [w for w in plan.work if w.request_id in self.reqs]
         for w in order:
             if w.append is not None:
@@ -249,7 +251,7 @@ class RankWorker:
             n_gen = sum(1 for req, _ in runs if req.id in gen)
             sched = [int(step_s * 1e6), len(runs), len(runs) - n_gen, n_gen, len(deferred) + len(suspended),
                      ctx_tokens, n_gen, len(suspended), sum(1 for req, _ in runs if req.id in was_suspended),
-                     cached, *self._memory()]
+                     *cached, *self._memory()]
             delta = self._delta(sched)
         out = StepResult(plan.iteration, ran, deferred, recomputed, suspended, reused, step_s, failed, delta,
                          first_reuse=first_reuse)
