@@ -267,7 +267,6 @@ _JSON_OR_SSE = {"application/json": {"schema": {"type": "object"}},
 GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"description": "the completion (JSON), or its chunks as Server-Sent Events with stream=true",
           "content": _JSON_OR_SSE},
-    401: {"description": "API keys are set and the request has none, or a wrong one"},
     404: {"description": "the model is not the served one"},
     429: {"description": "the engine's waiting queue is full; retry after Retry-After seconds"},
     499: {"description": "the client went away before the answer (nothing is sent)"},
