@@ -6,7 +6,6 @@ are accepted only at their no-op value, so ordinary clients that send defaults s
 request names a file or a model to load: `model` must equal the served name.
 """
 
-import time
 import uuid
 from typing import Any, Literal
 
@@ -238,8 +237,8 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def completion_response(id_: str, model: str, text: str, finish_reason: str | None, use: dict,
-                        created: int | None = None) -> dict:
-    return {"id": id_, "object": "text_completion", "created": created or int(time.time()), "model": model,
+                        created: int) -> dict:
+    return {"id": id_, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
             "usage": use}
 
@@ -250,8 +249,8 @@ def completion_chunk(id_: str, model: str, created: int, text: str, finish_reaso
 
 
 def chat_response(id_: str, model: str, text: str, finish_reason: str | None, use: dict,
-                  created: int | None = None) -> dict:
-    return {"id": id_, "object": "chat.completion", "created": created or int(time.time()), "model": model,
+                  created: int) -> dict:
+    return {"id": id_, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                          "logprobs": None, "finish_reason": finish_reason}],
             "usage": use}

@@ -7,12 +7,17 @@ aborts its engine request.
 
 import json
 import time
+import types
 
 import httpx
 import pytest
+from fastapi.testclient import TestClient
 
+from deployment.mirror import StatsMirror
+from deployment.routes import create_api
+from deployment.settings import Settings
 from deployment.sse import SSEDecoder
-from tests.http_support import REPLY, _assert_openai_error
+from tests.http_support import REPLY, FakeEngine, FakeStats, _assert_openai_error
 
 
 def test_completion(http):
@@ -80,6 +85,24 @@ def test_streaming_completion_and_chat(http):
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == REPLY[:4]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_response_is_created_at_its_request_and_the_model_at_start(monkeypatch):
+    clock = types.SimpleNamespace(time=lambda: 1_796_000_000.0)
+    monkeypatch.setattr("deployment.generation.time", clock)
+    api = create_api(FakeEngine(), StatsMirror(FakeStats()), Settings(model="random", served_model_name="m"))
+    clock.time = lambda: 1_796_003_600.0  # the server has run an hour
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    with TestClient(api) as c:
+        streamed = [json.loads(d) for d in _sse_data(c.post("/v1/completions", json={
+            "prompt": "hi", "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}}).text)[:-1]]
+        streamed += [json.loads(d) for d in _sse_data(c.post("/v1/chat/completions", json={
+            **chat, "stream": True}).text)[:-1]]
+        whole = [c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).json(),
+                 c.post("/v1/chat/completions", json=chat).json()]
+        model = c.get("/v1/models").json()["data"][0]
+    assert {r["created"] for r in streamed + whole} == {1_796_003_600}
+    assert model["created"] == 1_796_000_000
 
 
 def test_models(http):
