@@ -114,7 +114,15 @@ BAD_INPUTS = [
     ("invalid json", "/v1/completions", b'{"prompt": "hi", ', 400, "invalid_json"),
     ("not an object", "/v1/completions", b'[1, 2]', 400, None),
     ("missing prompt", "/v1/completions", {"max_tokens": 3}, 400, "missing"),
-    ("empty prompt", "/v1/completions", {"prompt": ""}, 400, None),
+    ("empty prompt", "/v1/completions", {"prompt": ""}, 400, "empty_prompt"),
+    ("empty token list", "/v1/completions", {"prompt": []}, 400, "empty_prompt"),
+    ("bool max_tokens", "/v1/completions", {"prompt": "hi", "max_tokens": True}, 400, "int_type"),
+    ("numeric string max_tokens", "/v1/completions", {"prompt": "hi", "max_tokens": "3"}, 400, "int_type"),
+    ("string temperature", "/v1/completions", {"prompt": "hi", "temperature": "0.5"}, 400, "float_type"),
+    ("string stream", "/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "bool_type"),
+    ("bool seed", "/v1/completions", {"prompt": "hi", "seed": True}, 400, "int_type"),
+    ("chat numeric content", "/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400,
+     "string_type"),
     ("batched prompt", "/v1/completions", {"prompt": ["a", "b"]}, 400, None),
     ("negative token id", "/v1/completions", {"prompt": [1, -3]}, 400, None),
     ("token id outside vocab", "/v1/completions", {"prompt": [1, 9999]}, 400, "invalid_token_id"),
@@ -158,6 +166,13 @@ def test_bad_generation_input_is_4xx_then_service_continues(server, http, name, 
     assert len(server.engine.started) == started, "a bad request reached the engine"
     ok = http.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2})
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == REPLY[:2]
+
+
+def test_integers_are_numbers(http):
+    """Strict types still take a JSON integer where a number is expected, as OpenAI does."""
+    r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "temperature": 1, "top_p": 1,
+                                           "presence_penalty": 0})
+    assert r.status_code == 200, r.text
 
 
 def test_models_advertise_the_limit_the_routes_enforce(http):
