@@ -2,7 +2,8 @@
 
     from deployment.client import StatsClient
     with StatsClient("http://127.0.0.1:8000") as c:
-        records = c.get_stats(since=-1)          # cluster records with iter > since, oldest first
+        records = c.get_stats(since=-1)          # a page of cluster records with iter > since, oldest first
+        everything = c.get_all_stats()           # every buffered record, page after page
         for record in c.iter_stats():            # follows /stats/stream; reconnects with Last-Event-ID
             ...
         c.kv_cache_stats()                       # the cluster's cumulative kvCacheStats
@@ -64,18 +65,20 @@ class StatsClient:
         return resp.json()
 
     def get_stats(self, since: int = -1, limit: int | None = None, ranks: bool = False) -> list[dict]:
-        """Cluster records with `iter > since`, oldest first. Reading removes nothing."""
+        """One page of cluster records with `iter > since`, oldest first (`limit` records, the server's
+        default page when None). Reading removes nothing."""
         return self._get("/stats", since=since, limit=limit, ranks=str(ranks).lower())
 
     def get_all_stats(self, since: int = -1, page: int = 1000) -> list[dict]:
-        """Every buffered record after `since`, fetched in pages of `page`."""
+        """Every buffered record after `since`: pages of `page` records, following each one's `rel="next"`."""
         out: list[dict] = []
+        resp = self._http.get("/stats", params={"since": since, "limit": page})
         while True:
-            batch = self.get_stats(since=since, limit=page)
-            out.extend(batch)
-            if len(batch) < page:
+            _raise_for_error(resp)
+            out.extend(resp.json())
+            if "next" not in resp.links:
                 return out
-            since = batch[-1]["iter"]
+            resp = self._http.get(resp.links["next"]["url"])
 
     def latest_iter(self) -> int:
         """The newest buffered iteration, or -1 when there is none."""

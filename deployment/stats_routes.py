@@ -4,13 +4,14 @@ StatsMirror (deployment/mirror.py). Reading never removes a record and never rea
 from __future__ import annotations
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
 from deployment.errors import APIError
 from deployment.mirror import StatsMirror
 from deployment.sse import SSE_EVENT, SSE_HEADERS
 
-MAX_STATS_LIMIT = 10_000
+STATS_PAGE = 100  # records a /stats page holds by default (~0.5 MB): the whole buffer is ~46 MB
+MAX_STATS_PAGE = 1000
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LIST = {"content": {"application/json": {"schema": {"type": "array", "items": {"type": "object"}}}}}
 
@@ -31,13 +32,17 @@ def last_event_id(request: Request, what: str) -> int | None:
 def stats_router(stats: StatsMirror, world_size: int) -> APIRouter:
     router = APIRouter(tags=["statistics"])
 
-    @router.get("/stats", responses={200: {"description": "cluster records, oldest first", **_LIST}})
-    async def get_stats(since: int = Query(-1, ge=-1, description="records with iter > since"),
-                        limit: int | None = Query(None, ge=0, le=MAX_STATS_LIMIT),
+    @router.get("/stats", responses={200: {
+        "description": "a page of cluster records, oldest first; when more follow, `Link: <URL>; rel=\"next\"` "
+        "names the next page (`since` = this page's last iter)", **_LIST}})
+    async def get_stats(request: Request, since: int = Query(-1, ge=-1, description="records with iter > since"),
+                        limit: int = Query(STATS_PAGE, ge=0, le=MAX_STATS_PAGE, description="records per page"),
                         ranks: bool = Query(False, description="include each rank's own record")) -> Response:
-        if ranks:
-            return JSONResponse(await stats.query(since, limit, True))
-        return Response(await stats.query_json(since, limit), media_type="application/json")
+        body, after = await stats.page_json(since, limit, ranks)
+        headers = {}
+        if after is not None:
+            headers["Link"] = f'<{request.url.include_query_params(since=after, limit=limit)}>; rel="next"'
+        return Response(body, media_type="application/json", headers=headers)
 
     @router.get("/stats/stream", response_class=StreamingResponse, responses={200: {
         "description": "the records as Server-Sent Events (id: iteration); resume with Last-Event-ID",

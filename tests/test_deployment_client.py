@@ -26,11 +26,14 @@ def _server(drop_after: int):
     seen_headers: list[str | None] = []
 
     def handler(request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/stats":
+        if request.url.path == "/stats":  # pages as the server's: Link rel="next" while more records follow
             since = int(request.url.params.get("since", -1))
-            limit = request.url.params.get("limit")
+            limit = int(request.url.params.get("limit", 4))
             out = [r for r in RECORDS if r["iter"] > since]
-            return httpx.Response(200, json=out[: int(limit)] if limit else out)
+            if len(out) <= limit:
+                return httpx.Response(200, json=out)
+            after = request.url.copy_merge_params({"since": out[limit - 1]["iter"]})
+            return httpx.Response(200, json=out[:limit], headers={"Link": f'<{after}>; rel="next"'})
         if request.url.path == "/stats/ranks/9":
             return httpx.Response(404, json={"error": {"message": "unknown rank 9", "type": "x",
                                                        "code": "unknown_rank"}})
@@ -69,7 +72,9 @@ def test_get_stats_paging_and_errors():
     handler, _ = _server(drop_after=1)
     with StatsClient("http://kvfleet", transport=httpx.MockTransport(handler)) as c:
         assert c.get_stats(since=7) == RECORDS[8:]
+        assert c.get_stats() == RECORDS[:4]  # one page
         assert c.get_all_stats(page=3) == RECORDS
+        assert c.get_all_stats(since=2) == RECORDS[3:]
         assert c.latest_iter() == 9
         with pytest.raises(StatsError) as exc:
             c.rank(9)
