@@ -2,7 +2,8 @@
 
     from deployment.client import StatsClient
     with StatsClient("http://127.0.0.1:8000") as c:
-        records = c.get_stats(since=-1)          # cluster records with iter > since, oldest first
+        records = c.get_stats(since=-1)          # a page of cluster records with iter > since, oldest first
+        everything = c.get_all_stats()           # every buffered record, page after page
         for record in c.iter_stats():            # follows /stats/stream; reconnects with Last-Event-ID
             ...
         c.kv_cache_stats()                       # the cluster's cumulative kvCacheStats
@@ -64,23 +65,32 @@ class StatsClient:
         return resp.json()
 
     def get_stats(self, since: int = -1, limit: int | None = None, ranks: bool = False) -> list[dict]:
-        """Cluster records with `iter > since`, oldest first. Reading removes nothing."""
+        """One page of cluster records with `iter > since`, oldest first (`limit` records, the server's
+        default page when None). Reading removes nothing."""
         return self._get("/stats", since=since, limit=limit, ranks=str(ranks).lower())
 
     def get_all_stats(self, since: int = -1, page: int = 1000) -> list[dict]:
-        """Every buffered record after `since`, fetched in pages of `page`."""
+        """Every buffered record after `since`: pages of `page` records, following each one's `rel="next"`."""
         out: list[dict] = []
+        resp = self._http.get("/stats", params={"since": since, "limit": page})
         while True:
-            batch = self.get_stats(since=since, limit=page)
-            out.extend(batch)
-            if len(batch) < page:
+            _raise_for_error(resp)
+            out.extend(resp.json())
+            if "next" not in resp.links:
                 return out
-            since = batch[-1]["iter"]
+            resp = self._http.get(resp.links["next"]["url"])
 
     def latest_iter(self) -> int:
         """The newest buffered iteration, or -1 when there is none."""
         records = self.get_all_stats()
         return records[-1]["iter"] if records else -1
+
+    def same_history(self, record: dict) -> bool:
+        """Whether the server still holds `record` as it was (same iter, same timestamp). A fresh app (a new
+        cluster, its aggregator numbering from 0 again) does not, so resuming after the record's iteration
+        would drop the new app's records until its numbering passed the old one. The dashboard's rule."""
+        got = self.get_stats(since=record["iter"] - 1, limit=1)
+        return bool(got) and got[0]["iter"] == record["iter"] and got[0].get("timestamp") == record.get("timestamp")
 
     def kv_cache_stats(self) -> dict:
         return self._get("/kv_cache_stats")
@@ -99,17 +109,21 @@ class StatsClient:
         """Follow /stats/stream forever, yielding records in order without gaps or repeats.
 
         A dropped connection is reopened with `Last-Event-ID` = the last iteration received, so the
-        server resumes right after it (as long as it still buffers those records). Gives up after
-        `max_retries` consecutive failed connections.
+        server resumes right after it (as long as it still buffers those records). A server with another
+        history (a fresh app numbering from 0 again, see `same_history`) is followed from its oldest record.
+        Gives up after `max_retries` consecutive failed connections.
         """
-        last = since
+        last, seen = since, None  # seen: the last record received
         failures = 0
         timeout = httpx.Timeout(self._http.timeout.connect, read=read_timeout_s)
         while True:
             headers = {"Accept": "text/event-stream"}
-            if last >= 0:
-                headers["Last-Event-ID"] = str(last)
             try:
+                if seen is not None and not self.same_history(seen):
+                    logger.info("the server has another history (a fresh app): following it from its oldest record")
+                    last, seen = -1, None
+                if last >= 0:
+                    headers["Last-Event-ID"] = str(last)
                 with self._http.stream("GET", "/stats/stream", params={"since": last}, headers=headers,
                                        timeout=timeout) as resp:
                     if resp.status_code >= 400:
@@ -124,7 +138,7 @@ class StatsClient:
                         record = json.loads(event.data)
                         if record["iter"] <= last:
                             continue
-                        last = record["iter"]
+                        last, seen = record["iter"], record
                         yield record
             except (httpx.TransportError, httpx.RemoteProtocolError) as exc:
                 if not reconnect:

@@ -80,11 +80,20 @@ def error_response(err: APIError) -> JSONResponse:
                          headers=err.headers)
 
 
+_SCALAR_TAGS = {"str", "int", "float", "bool"}
+
+
+def _is_union_tag(part: object) -> bool:
+    """Whether a loc element names the member of a union pydantic tried (`str`, `list[str]`), not a field."""
+    return isinstance(part, str) and ("[" in part or part in _SCALAR_TAGS)
+
+
 def validation_message(errors: list[dict]) -> tuple[str, str | None, str | None]:
     """(message, param, code) for a pydantic/FastAPI error list: names the field and what is wrong."""
     parts, param, code = [], None, None
     for err in errors:
-        loc = [str(x) for x in err.get("loc", ()) if x not in ("body", "query", "path", "header")]
+        loc = [str(x) for x in err.get("loc", ())
+               if x not in ("body", "query", "path", "header") and not _is_union_tag(x)]
         kind = err.get("type", "")
         if kind == "json_invalid":
             detail = (err.get("ctx") or {}).get("error", "")

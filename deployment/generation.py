@@ -104,7 +104,7 @@ class _Generation:
         self.engine = engine
         self.settings = settings
         self.model = settings.served_model_name
-        self.created = int(time.time())
+        self.created = int(time.time())  # the model's, for /v1/models; a response's is its request's
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.model:
@@ -176,19 +176,20 @@ class _Generation:
         ids = self._prompt_ids(req)
         params = await self._params(req, ids)
         rid = protocol.new_id("cmpl" if kind == "text_completion" else "chatcmpl")
+        created = int(time.time())
         usage = [len(ids), 0]  # prompt, completion tokens
         events = await _admitted(self.engine.generate(rid, ids, params, req.cache_salt))
         text = self._text(rid, events, req.stop_strings, usage)
         if req.stream:
-            chunks = self._chunks(kind, rid, text, usage, req.include_usage)
+            chunks = self._chunks(kind, rid, created, text, usage, req.include_usage)
             return StreamingResponse(_in_band_errors(chunks), media_type="text/event-stream", headers=SSE_HEADERS)
         build = protocol.completion_response if kind == "text_completion" else protocol.chat_response
         return await _unless_disconnected(request, _collect(text), lambda t, f: build(
-            rid, self.model, t, f, protocol.usage(*usage)))
+            rid, self.model, t, f, protocol.usage(*usage), created))
 
-    async def _chunks(self, kind: str, rid: str, text: AsyncIterator[tuple[str, str | None]], usage: list[int],
-                      include_usage: bool) -> AsyncIterator[str]:
-        m, created = self.model, self.created
+    async def _chunks(self, kind: str, rid: str, created: int, text: AsyncIterator[tuple[str, str | None]],
+                      usage: list[int], include_usage: bool) -> AsyncIterator[str]:
+        m = self.model
         if kind == "chat.completion":
             yield _sse(protocol.chat_chunk(rid, m, created, {"role": "assistant", "content": ""}, None))
         async for delta, finish in text:
@@ -267,7 +268,6 @@ _JSON_OR_SSE = {"application/json": {"schema": {"type": "object"}},
 GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"description": "the completion (JSON), or its chunks as Server-Sent Events with stream=true",
           "content": _JSON_OR_SSE},
-    401: {"description": "API keys are set and the request has none, or a wrong one"},
     404: {"description": "the model is not the served one"},
     429: {"description": "the engine's waiting queue is full; retry after Retry-After seconds"},
     499: {"description": "the client went away before the answer (nothing is sent)"},

@@ -85,7 +85,7 @@ class StatsMirror:
             self._primed.set()
             fresh = [r for r in records if r["iter"] > self._head]
             for r in fresh:
-                self._records.append({"iter": r["iter"], "record": r, "json": json.dumps(r, separators=(",", ":"))})
+                self._records.append(_entry(r))
             if fresh:
                 self._head = fresh[-1]["iter"]
                 changed, self._changed = self._changed, asyncio.Event()
@@ -119,10 +119,17 @@ class StatsMirror:
         await self._ready()
         return [e["record"] for e in self._records.since(since, limit)]
 
-    async def query_json(self, since: int, limit: int | None) -> str:
-        """/stats as JSON text, from each record's cached text."""
-        await self._ready()
-        return "[" + ",".join(e["json"] for e in self._records.since(since, limit)) + "]"
+    async def page_json(self, since: int, limit: int, ranks: bool = False) -> tuple[str, int | None]:
+        """One /stats page as JSON text (each record's cached text), and the cursor of the next page: the
+        page's last iter when more records follow it, else None."""
+        if ranks:
+            got = [_entry(r) for r in await self.query(since, limit + 1, True)]
+        else:
+            await self._ready()
+            got = self._records.since(since, limit + 1)
+        page = got[:limit]
+        after = page[-1]["iter"] if page and len(got) > limit else None
+        return "[" + ",".join(e["json"] for e in page) + "]", after
 
     async def wait_records(self, since: int, timeout_s: float) -> list[dict]:
         return [e["record"] for e in await self._wait(since, timeout_s)]
@@ -159,3 +166,8 @@ class StatsMirror:
 
     async def health(self) -> dict[str, Any]:
         return {**await self.upstream.health(), "mirrored": len(self._records), "subscribers": self.subscribers}
+
+
+def _entry(record: dict) -> dict:
+    """A mirrored record with its JSON text, serialized once for every reader."""
+    return {"iter": record["iter"], "record": record, "json": json.dumps(record, separators=(",", ":"))}

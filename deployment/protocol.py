@@ -1,16 +1,17 @@
 """OpenAI-compatible request models and response builders for /v1/completions and /v1/chat/completions.
 
-Requests are strict (`extra="forbid"`): a misspelt or unsupported field is a 400 that names it, never
-silently ignored. Options OpenAI has but kvfleet cannot honour (n > 1, logprobs, penalties, echo, ...)
-are accepted only at their no-op value, so ordinary clients that send defaults still work. Nothing in a
-request names a file or a model to load: `model` must equal the served name.
+Requests are strict: a misspelt or unsupported field (`extra="forbid"`), or a value of the wrong JSON type
+(`strict`: `"3"` or `true` for a number, `"yes"` for a boolean; an integer is a number), is a 400 that names
+it, never silently ignored or coerced. Options OpenAI has but kvfleet cannot honour (n > 1, logprobs,
+penalties, echo, ...) are accepted only at their no-op value, so ordinary clients that send defaults still
+work. Nothing in a request names a file or a model to load: `model` must equal the served name.
 """
 
-import time
 import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 MAX_STOP_STRINGS = 4
 
@@ -33,7 +34,7 @@ def _check_unicode(value: Any) -> None:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -131,13 +132,11 @@ class CompletionRequest(_SamplingRequest):
         # OpenAI also takes a batch (list of strings / of token lists); kvfleet serves one prompt per request.
         if isinstance(v, list) and len(v) == 1 and isinstance(v[0], str | list):
             v = v[0]
+        if isinstance(v, str | list) and not v:  # refused before tokenizing: a BOS would make "" one token
+            raise PydanticCustomError("empty_prompt", "the prompt is empty")  # the engine's code for it
         if isinstance(v, str):
-            if not v:
-                raise ValueError("must not be empty")
             return v
         if isinstance(v, list):
-            if not v:
-                raise ValueError("must not be empty")
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
                 raise ValueError("prompt must be a string or a list of token ids (batches are not supported)")
             if min(v) < 0:
@@ -238,8 +237,8 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def completion_response(id_: str, model: str, text: str, finish_reason: str | None, use: dict,
-                        created: int | None = None) -> dict:
-    return {"id": id_, "object": "text_completion", "created": created or int(time.time()), "model": model,
+                        created: int) -> dict:
+    return {"id": id_, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
             "usage": use}
 
@@ -250,8 +249,8 @@ def completion_chunk(id_: str, model: str, created: int, text: str, finish_reaso
 
 
 def chat_response(id_: str, model: str, text: str, finish_reason: str | None, use: dict,
-                  created: int | None = None) -> dict:
-    return {"id": id_, "object": "chat.completion", "created": created or int(time.time()), "model": model,
+                  created: int) -> dict:
+    return {"id": id_, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                          "logprobs": None, "finish_reason": finish_reason}],
             "usage": use}

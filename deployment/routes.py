@@ -12,11 +12,11 @@ import asyncio
 import logging
 from typing import Any
 
-from fastapi import Depends, FastAPI
+from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 
-from deployment.auth import KeyCheck, load_keys
+from deployment.auth import BEARER_SCHEME, KeyGuard, load_keys
 from deployment.dashboard_routes import dashboard_router
 from deployment.errors import ERROR_SCHEMA, ErrorResponse, clean_message, error_body, install_error_handlers
 from deployment.generation import EngineProtocol, openai_router
@@ -35,14 +35,15 @@ def create_api(engine: EngineProtocol, stats: StatsMirror, settings: Settings) -
     api = FastAPI(title="kvfleet", version="0.1.0")
     install_error_handlers(api)
     api.state.stats = stats
-    keys = load_keys(settings.api_keys.get_secret_value())
-    scrape_keys = keys + load_keys(settings.metrics_api_key.get_secret_value())
-    keyed = [Depends(KeyCheck(keys))] if keys else []
-    api.include_router(openai_router(engine, settings), dependencies=keyed)
-    api.include_router(stats_router(stats, settings.dp * settings.tp), dependencies=keyed)
-    api.include_router(metrics_router(stats), dependencies=[Depends(KeyCheck(scrape_keys))] if scrape_keys else [])
-    api.include_router(dashboard_router())  # the page and its scripts carry no data: open; its requests are keyed
-    api.include_router(kv_events_router(engine), dependencies=keyed)
+    guard = KeyGuard(load_keys(settings.api_keys.get_secret_value()),
+                     load_keys(settings.metrics_api_key.get_secret_value()))
+    if guard:
+        api.add_middleware(guard.wrap)  # outside the routes: no body is read before the key is checked
+    api.include_router(openai_router(engine, settings))
+    api.include_router(stats_router(stats, settings.dp * settings.tp))
+    api.include_router(metrics_router(stats))
+    api.include_router(dashboard_router())
+    api.include_router(kv_events_router(engine))
 
     @api.get("/health", responses={503: {"description": "no dp group can serve, or the aggregator is down"}})
     async def health() -> Response:
@@ -55,13 +56,14 @@ def create_api(engine: EngineProtocol, stats: StatsMirror, settings: Settings) -
                                  status_code=503)
         return JSONResponse({"status": "ok", "engine": eng, "aggregator": agg})
 
-    api.openapi = lambda: _openapi(api)
+    api.openapi = lambda: _openapi(api, guard)
     return api
 
 
-def _openapi(api: FastAPI) -> dict[str, Any]:
+def _openapi(api: FastAPI, guard: KeyGuard) -> dict[str, Any]:
     """FastAPI's document with the error responses as they are: every error is the OpenAI error object, a
-    request that fails validation is a 400 (not 422), and any route may answer 500."""
+    request that fails validation is a 400 (not 422), any route may answer 500, and each keyed route states
+    the bearer scheme and its 401."""
     if api.openapi_schema:
         return api.openapi_schema
     doc = get_openapi(title=api.title, version=api.version, routes=api.routes)
@@ -69,10 +71,15 @@ def _openapi(api: FastAPI) -> dict[str, Any]:
     schemas.pop("HTTPValidationError", None)
     schemas.pop("ValidationError", None)
     schemas["Error"] = ERROR_SCHEMA
+    if guard:
+        doc["components"]["securitySchemes"] = {"HTTPBearer": BEARER_SCHEME}
     error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
-    for ops in doc["paths"].values():
+    for path, ops in doc["paths"].items():
         for op in ops.values():
             responses = op.setdefault("responses", {})
+            if guard.check_for(path):
+                op["security"] = [{"HTTPBearer": []}]
+                responses.setdefault("401", {"description": "no API key, or a wrong one"})
             takes_input = responses.pop("422", None) is not None or "requestBody" in op
             if takes_input:
                 responses.setdefault("400", {"description": "the request is invalid"})

@@ -73,7 +73,8 @@ class Settings(BaseSettings):
     )
     api_keys: SecretStr = Field(
         SecretStr(""), description="API keys (comma-separated, or `@path`: a file, one per line); empty = none. "
-        "When set, every route but /health and /dashboard needs `Authorization: Bearer <key>`"
+        "When set, every route needs `Authorization: Bearer <key>` but the open routes: `/health`, `/dashboard`, "
+        "`/dashboard/assets/{name}`"
     )
     metrics_api_key: SecretStr = Field(
         SecretStr(""), description="a key (or `@path`) that /metrics also accepts, for Prometheus' bearer token"

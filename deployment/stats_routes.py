@@ -11,7 +11,8 @@ from deployment.mirror import StatsMirror
 from deployment.sse import SSE_EVENT, SSE_HEADERS
 from deployment.sse import last_event_id as read_last_event_id
 
-MAX_STATS_LIMIT = 10_000
+STATS_PAGE = 100  # records a /stats page holds by default (~0.5 MB): the whole buffer is ~46 MB
+MAX_STATS_PAGE = 1000
 TRTLLM_LIMIT = 100  # records GET /trtllm/metrics returns by default
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LIST = {"content": {"application/json": {"schema": {"type": "array", "items": {"type": "object"}}}}}
@@ -43,13 +44,17 @@ async def trtllm_records(stats: StatsMirror, since: int | None, limit: int) -> l
 def stats_router(stats: StatsMirror, world_size: int) -> APIRouter:
     router = APIRouter(tags=["statistics"])
 
-    @router.get("/stats", responses={200: {"description": "cluster records, oldest first", **_LIST}})
-    async def get_stats(since: int = Query(-1, ge=-1, description="records with iter > since"),
-                        limit: int | None = Query(None, ge=0, le=MAX_STATS_LIMIT),
+    @router.get("/stats", responses={200: {
+        "description": "a page of cluster records, oldest first; when more follow, `Link: <URL>; rel=\"next\"` "
+        "names the next page (`since` = this page's last iter)", **_LIST}})
+    async def get_stats(request: Request, since: int = Query(-1, ge=-1, description="records with iter > since"),
+                        limit: int = Query(STATS_PAGE, ge=0, le=MAX_STATS_PAGE, description="records per page"),
                         ranks: bool = Query(False, description="include each rank's own record")) -> Response:
-        if ranks:
-            return JSONResponse(await stats.query(since, limit, True))
-        return Response(await stats.query_json(since, limit), media_type="application/json")
+        body, after = await stats.page_json(since, limit, ranks)
+        headers = {}
+        if after is not None:
+            headers["Link"] = f'<{request.url.include_query_params(since=after, limit=limit)}>; rel="next"'
+        return Response(body, media_type="application/json", headers=headers)
 
     @router.get("/stats/stream", response_class=StreamingResponse, responses={200: {
         "description": "the records as Server-Sent Events (id: iteration); resume with Last-Event-ID",
@@ -79,7 +84,7 @@ def stats_router(stats: StatsMirror, world_size: int) -> APIRouter:
     @router.get("/trtllm/metrics", responses={200: {"description": "trtllm-serve's /metrics: iteration stats, "
                                                                   "a JSON list, oldest first", **_LIST}})
     async def trtllm_metrics(since: int | None = Query(None, ge=-1, description="records with iter > since"),
-                             limit: int = Query(TRTLLM_LIMIT, ge=0, le=MAX_STATS_LIMIT)) -> Response:
+                             limit: int = Query(TRTLLM_LIMIT, ge=0, le=MAX_STATS_PAGE)) -> Response:
         return JSONResponse(await trtllm_records(stats, since, limit))
 
     @router.get("/kv_cache_stats")

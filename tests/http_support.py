@@ -206,11 +206,21 @@ def _assert_openai_error(resp: httpx.Response, status: int, code: str | None = N
     return err
 
 
+def all_stats(http) -> list[dict]:
+    """Every record /stats holds, page after page (each names the next in `Link: <...>; rel="next"`)."""
+    out, resp = [], http.get("/stats")
+    while True:
+        out.extend(resp.json())
+        if "next" not in resp.links:
+            return out
+        resp = http.get(resp.links["next"]["url"])
+
+
 def caught_up(server, http) -> list[dict]:
     """/stats once the replica's mirror holds every record the fake aggregator emitted (within a long-poll)."""
     want = server.stats.records[-1]["iter"]
     deadline = time.monotonic() + 10
-    while (got := http.get("/stats").json()) == [] or got[-1]["iter"] < want:
+    while (got := all_stats(http)) == [] or got[-1]["iter"] < want:
         assert time.monotonic() < deadline, "the stats mirror never caught up"
         time.sleep(0.01)
     return got

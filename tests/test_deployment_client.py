@@ -26,11 +26,14 @@ def _server(drop_after: int):
     seen_headers: list[str | None] = []
 
     def handler(request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/stats":
+        if request.url.path == "/stats":  # pages as the server's: Link rel="next" while more records follow
             since = int(request.url.params.get("since", -1))
-            limit = request.url.params.get("limit")
+            limit = int(request.url.params.get("limit", 4))
             out = [r for r in RECORDS if r["iter"] > since]
-            return httpx.Response(200, json=out[: int(limit)] if limit else out)
+            if len(out) <= limit:
+                return httpx.Response(200, json=out)
+            after = request.url.copy_merge_params({"since": out[limit - 1]["iter"]})
+            return httpx.Response(200, json=out[:limit], headers={"Link": f'<{after}>; rel="next"'})
         if request.url.path == "/stats/ranks/9":
             return httpx.Response(404, json={"error": {"message": "unknown rank 9", "type": "x",
                                                        "code": "unknown_rank"}})
@@ -58,6 +61,31 @@ def test_iter_stats_reconnects_with_last_event_id_without_gap():
     assert seen[:5] == [None, "2", "4", "6", "8"]
 
 
+@pytest.mark.parametrize("new_records", [3, 8], ids=["fewer", "more"])
+def test_iter_stats_follows_a_fresh_app_from_its_oldest_record(new_records):
+    """After a reconnect to a fresh app (iterations from 0 again, other timestamps) the client starts over at
+    its oldest record; it waited for iter > the old app's last, dropping the new app's records."""
+    apps = [[{"iter": i, "timestamp": f"old-{i}"} for i in range(5)],
+            [{"iter": i, "timestamp": f"new-{i}"} for i in range(new_records)]]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        records = apps[0]
+        since = int(request.url.params.get("since", -1))
+        if request.url.path == "/stats":
+            return httpx.Response(200, json=[r for r in records if r["iter"] > since][:1])
+        start = int(request.headers.get("last-event-id", since))
+        events = [format_event(json.dumps(r), id=r["iter"], event="stats").encode() for r in records
+                  if r["iter"] > start]
+        if len(apps) > 1:
+            apps.pop(0)  # this connection breaks, and the next one reaches the new app
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=DroppingStream(events))
+
+    with StatsClient("http://kvfleet", transport=httpx.MockTransport(handler)) as c:
+        it = c.iter_stats(retry_delay_s=0)
+        got = [next(it)["timestamp"] for _ in range(5 + new_records)]
+    assert got == [f"old-{i}" for i in range(5)] + [f"new-{i}" for i in range(new_records)]
+
+
 def test_iter_stats_gives_up_after_max_retries():
     handler, _ = _server(drop_after=0)  # every connection breaks before a record
     with StatsClient("http://kvfleet", transport=httpx.MockTransport(handler)) as c:
@@ -69,7 +97,9 @@ def test_get_stats_paging_and_errors():
     handler, _ = _server(drop_after=1)
     with StatsClient("http://kvfleet", transport=httpx.MockTransport(handler)) as c:
         assert c.get_stats(since=7) == RECORDS[8:]
+        assert c.get_stats() == RECORDS[:4]  # one page
         assert c.get_all_stats(page=3) == RECORDS
+        assert c.get_all_stats(since=2) == RECORDS[3:]
         assert c.latest_iter() == 9
         with pytest.raises(StatsError) as exc:
             c.rank(9)

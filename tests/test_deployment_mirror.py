@@ -77,7 +77,8 @@ def test_stats_json_is_the_records_and_reads_wait_for_the_first_copy():
         assert await StatsMirror(up).kv_cache_stats() == {"reusedBlocks": -1}  # nothing mirrored yet
         up.emit(3)
         mirror = StatsMirror(up)
-        assert json.loads(await mirror.query_json(0, None)) == up.records[1:]
+        assert await mirror.page_json(0, 5) == (json.dumps(up.records[1:], separators=(",", ":")), None)
+        assert (await mirror.page_json(-1, 2))[1] == 1  # more follow the page: the cursor is its last iter
         assert await mirror.query(-1, 2, False) == up.records[:2]
         assert (await mirror.query(-1, None, True))[0]["ranks"] == {}  # per-rank detail: from the aggregator
         assert await mirror.kv_cache_stats() == {"reusedBlocks": 2}

@@ -105,6 +105,46 @@ def test_completion_request_rejects(body):
     assert message and "Value error," not in message
 
 
+CHAT = [{"role": "user", "content": "x"}]
+
+
+@pytest.mark.parametrize(("model", "body", "field"), [
+    (CompletionRequest, {"max_tokens": True}, "max_tokens"), (CompletionRequest, {"max_tokens": "3"}, "max_tokens"),
+    (CompletionRequest, {"max_tokens": 2.0}, "max_tokens"), (CompletionRequest, {"temperature": "0.5"}, "temperature"),
+    (CompletionRequest, {"temperature": True}, "temperature"), (CompletionRequest, {"top_p": "1"}, "top_p"),
+    (CompletionRequest, {"top_k": True}, "top_k"), (CompletionRequest, {"seed": True}, "seed"),
+    (CompletionRequest, {"stream": "yes"}, "stream"), (CompletionRequest, {"ignore_eos": 1}, "ignore_eos"),
+    (CompletionRequest, {"n": True}, "n"), (CompletionRequest, {"stop": 5}, "stop"),
+    (CompletionRequest, {"stop": ["a", 1]}, "stop"), (CompletionRequest, {"logprobs": True}, "logprobs"),
+    (CompletionRequest, {"echo": 0}, "echo"), (CompletionRequest, {"cache_salt": 5}, "cache_salt"),
+    (CompletionRequest, {"best_of": "1"}, "best_of"), (CompletionRequest, {"user": 1}, "user"),
+    (CompletionRequest, {"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+     "messages.0.content"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x", "name": 3}]}, "messages.0.name"),
+    (ChatCompletionRequest, {"messages": CHAT, "logprobs": 0}, "logprobs"),
+    (ChatCompletionRequest, {"messages": CHAT, "top_logprobs": False}, "top_logprobs"),
+    (ChatCompletionRequest, {"messages": CHAT, "max_completion_tokens": "2"}, "max_completion_tokens"),
+    (ChatCompletionRequest, {"messages": CHAT, "parallel_tool_calls": "no"}, "parallel_tool_calls"),
+])
+def test_wrong_json_types_are_refused_not_coerced(model, body, field):
+    body = body if model is ChatCompletionRequest else {"prompt": "x", **body}
+    with pytest.raises(ValidationError) as exc:
+        model(**body)
+    message, param, _ = validation_message(exc.value.errors())
+    assert param == field and message.startswith(field + ":"), message
+
+
+def test_integers_are_taken_as_numbers_and_empty_prompts_have_the_engines_code():
+    r = CompletionRequest(prompt="x", temperature=1, top_p=1, presence_penalty=0)
+    assert r.temperature == 1.0 and isinstance(r.temperature, float)
+    for empty in ("", [], [""], [[]]):
+        with pytest.raises(ValidationError) as exc:
+            CompletionRequest(prompt=empty)
+        assert validation_message(exc.value.errors())[1:] == ("prompt", "empty_prompt")
+
+
 def test_chat_request_text_parts_and_token_alias():
     r = ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
                                                                       {"type": "text", "text": "b"}]}],

@@ -7,12 +7,17 @@ aborts its engine request.
 
 import json
 import time
+import types
 
 import httpx
 import pytest
+from fastapi.testclient import TestClient
 
+from deployment.mirror import StatsMirror
+from deployment.routes import create_api
+from deployment.settings import Settings
 from deployment.sse import SSEDecoder
-from tests.http_support import REPLY, _assert_openai_error
+from tests.http_support import REPLY, FakeEngine, FakeStats, _assert_openai_error
 
 
 def test_completion(http):
@@ -82,6 +87,24 @@ def test_streaming_completion_and_chat(http):
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
+def test_a_response_is_created_at_its_request_and_the_model_at_start(monkeypatch):
+    clock = types.SimpleNamespace(time=lambda: 1_796_000_000.0)
+    monkeypatch.setattr("deployment.generation.time", clock)
+    api = create_api(FakeEngine(), StatsMirror(FakeStats()), Settings(model="random", served_model_name="m"))
+    clock.time = lambda: 1_796_003_600.0  # the server has run an hour
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    with TestClient(api) as c:
+        streamed = [json.loads(d) for d in _sse_data(c.post("/v1/completions", json={
+            "prompt": "hi", "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}}).text)[:-1]]
+        streamed += [json.loads(d) for d in _sse_data(c.post("/v1/chat/completions", json={
+            **chat, "stream": True}).text)[:-1]]
+        whole = [c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).json(),
+                 c.post("/v1/chat/completions", json=chat).json()]
+        model = c.get("/v1/models").json()["data"][0]
+    assert {r["created"] for r in streamed + whole} == {1_796_003_600}
+    assert model["created"] == 1_796_000_000
+
+
 def test_models(http):
     body = http.get("/v1/models").json()
     assert [m["id"] for m in body["data"]] == ["fake-model"]
@@ -91,7 +114,15 @@ BAD_INPUTS = [
     ("invalid json", "/v1/completions", b'{"prompt": "hi", ', 400, "invalid_json"),
     ("not an object", "/v1/completions", b'[1, 2]', 400, None),
     ("missing prompt", "/v1/completions", {"max_tokens": 3}, 400, "missing"),
-    ("empty prompt", "/v1/completions", {"prompt": ""}, 400, None),
+    ("empty prompt", "/v1/completions", {"prompt": ""}, 400, "empty_prompt"),
+    ("empty token list", "/v1/completions", {"prompt": []}, 400, "empty_prompt"),
+    ("bool max_tokens", "/v1/completions", {"prompt": "hi", "max_tokens": True}, 400, "int_type"),
+    ("numeric string max_tokens", "/v1/completions", {"prompt": "hi", "max_tokens": "3"}, 400, "int_type"),
+    ("string temperature", "/v1/completions", {"prompt": "hi", "temperature": "0.5"}, 400, "float_type"),
+    ("string stream", "/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "bool_type"),
+    ("bool seed", "/v1/completions", {"prompt": "hi", "seed": True}, 400, "int_type"),
+    ("chat numeric content", "/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400,
+     "string_type"),
     ("batched prompt", "/v1/completions", {"prompt": ["a", "b"]}, 400, None),
     ("negative token id", "/v1/completions", {"prompt": [1, -3]}, 400, None),
     ("token id outside vocab", "/v1/completions", {"prompt": [1, 9999]}, 400, "invalid_token_id"),
@@ -135,6 +166,13 @@ def test_bad_generation_input_is_4xx_then_service_continues(server, http, name, 
     assert len(server.engine.started) == started, "a bad request reached the engine"
     ok = http.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2})
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == REPLY[:2]
+
+
+def test_integers_are_numbers(http):
+    """Strict types still take a JSON integer where a number is expected, as OpenAI does."""
+    r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "temperature": 1, "top_p": 1,
+                                           "presence_penalty": 0})
+    assert r.status_code == 200, r.text
 
 
 def test_models_advertise_the_limit_the_routes_enforce(http):

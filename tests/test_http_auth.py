@@ -1,14 +1,17 @@
-"""API keys and refusals at the HTTP level (fake engine, real uvicorn): 401s, an open /health, the /metrics
-scrape key, and the engine's refusals answered with their status and Retry-After, streamed or not."""
+"""API keys and refusals at the HTTP level (fake engine, real uvicorn): 401s before the body is read, the open
+routes, the /metrics scrape key, and the engine's refusals answered with their status and Retry-After,
+streamed or not."""
+
+from pathlib import Path
 
 import httpx
 import pytest
 
-from deployment.auth import KeyCheck, load_keys
+from deployment.auth import OPEN_ROUTES, KeyCheck, load_keys
 from deployment.settings import Settings
 from tests.http_support import _assert_openai_error, serve_fake
 
-KEYS = "key-one, key-two"
+KEYS = "key-one, key-two, café-clé"
 SCRAPE = "scrape-key"
 DATA_ROUTES = [("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2}),
                ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
@@ -49,8 +52,45 @@ def test_health_stays_open_and_metrics_take_the_scrape_key(keyed):
         _assert_openai_error(_call(c, "GET", "/metrics", None, "nope"), 401, "invalid_api_key")
         with c.stream("GET", "/stats/stream") as resp:
             assert resp.status_code == 401
-        doc = c.get("/openapi.json").json()
-        assert "HTTPBearer" in doc["components"]["securitySchemes"]
+
+
+def test_a_keyless_request_is_refused_before_its_body_is_read(keyed):
+    """A bad body is a 401 without a key (it learns nothing of the body), a 400 with one."""
+    with httpx.Client(base_url=keyed.url, timeout=10) as c:
+        bad = {"content": b"{not json", "headers": {"content-type": "application/json"}}
+        _assert_openai_error(c.post("/v1/completions", **bad), 401, "missing_api_key")
+        bad["headers"]["Authorization"] = "Bearer key-one"
+        _assert_openai_error(c.post("/v1/completions", **bad), 400, "invalid_json")
+
+
+def test_only_the_open_routes_answer_without_a_key(keyed):
+    open_paths = [p.replace("{name}", "dashboard.js") for p in OPEN_ROUTES]
+    with httpx.Client(base_url=keyed.url, timeout=10) as c:
+        for path in open_paths:
+            assert c.get(path).status_code == 200, path
+        for path in ("/openapi.json", "/docs", "/nowhere", "/dashboard/other", "/health/x"):
+            _assert_openai_error(c.get(path), 401, "missing_api_key")
+        doc = _call(c, "GET", "/openapi.json", None, "key-one").json()
+    assert doc["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
+    for path, ops in doc["paths"].items():
+        keyed_route = path not in OPEN_ROUTES
+        assert ("security" in ops["get" if "get" in ops else "post"]) == keyed_route, path
+
+
+def test_the_docs_list_the_open_routes_as_the_code_does():
+    root = Path(__file__).parent.parent
+    said = "open routes: " + ", ".join(f"`{p}`" for p in OPEN_ROUTES)
+    assert said in Settings.model_fields["api_keys"].description  # and so in the README's settings table
+    for doc in ("README.md", "docs/http-api.md", "k8s/README.md"):
+        assert said in " ".join(root.joinpath(doc).read_text().split()), doc
+
+
+def test_a_non_ascii_key_is_matched_on_its_utf8_bytes(keyed):
+    with httpx.Client(base_url=keyed.url, timeout=10) as c:
+        good = c.get("/v1/models", headers={"Authorization": "Bearer café-clé".encode()})
+        assert good.status_code == 200
+        latin1 = c.get("/v1/models", headers={"Authorization": "Bearer café-clé".encode("latin-1")})
+        _assert_openai_error(latin1, 401, "invalid_api_key")
 
 
 def test_an_unkeyed_server_is_open(http):
@@ -62,6 +102,8 @@ def test_keys_come_from_a_list_or_a_file(tmp_path):
     assert load_keys("") == () and load_keys(" a , b,,") == ("a", "b")
     f = tmp_path / "keys"
     f.write_text("# operators\nalpha\n\n beta \n")
+    assert load_keys(f"@{f}") == ("alpha", "beta")
+    f.write_text("alpha\nbeta\n", encoding="utf-8-sig")  # a BOM, as Windows editors save
     assert load_keys(f"@{f}") == ("alpha", "beta")
     (tmp_path / "empty").write_text("# none yet\n")
     with pytest.raises(ValueError, match="holds no key"):

@@ -13,11 +13,11 @@ from e2e_fixtures import prometheus_query
 
 from deployment.client import StatsClient, StatsError
 from deployment.sse import SSEDecoder
-from tests.http_support import _assert_openai_error, caught_up
+from tests.http_support import _assert_openai_error, all_stats, caught_up
 
 BAD_STATS = [
     ("/stats?since=-2", 400), ("/stats?since=abc", 400), ("/stats?limit=-1", 400),
-    ("/stats?limit=10001", 400), ("/stats?ranks=perhaps", 400), ("/stats/ranks/2", 404),
+    ("/stats?limit=1001", 400), ("/stats?ranks=perhaps", 400), ("/stats/ranks/2", 404),
     ("/stats/ranks/-1", 404), ("/stats/ranks/x", 400), ("/stats/stream?since=-5", 400), ("/nowhere", 404),
 ]
 
@@ -27,7 +27,7 @@ def test_bad_stats_input_is_4xx(server, http, path, status):
     server.stats.add(1, 0)
     before = caught_up(server, http)
     _assert_openai_error(http.get(path), status)
-    assert http.get("/stats").json() == before, "a bad request changed the records"
+    assert all_stats(http) == before, "a bad request changed the records"
 
 
 def test_bad_last_event_id(http):
@@ -39,7 +39,7 @@ def test_stats_paging_and_readers_see_the_same(server, http):
     for i in range(5):
         server.stats.add(2, i)
     everything = caught_up(server, http)
-    assert everything == http.get("/stats").json(), "reading removed records"
+    assert everything == all_stats(http), "reading removed records"
     iters = [r["iter"] for r in everything]
     assert iters == sorted(iters) and len(iters) >= 5
     page = http.get("/stats", params={"since": iters[1], "limit": 2}).json()
@@ -52,6 +52,22 @@ def test_stats_paging_and_readers_see_the_same(server, http):
         with pytest.raises(StatsError) as exc:
             c.rank(7)
         assert exc.value.status == 404 and exc.value.code == "unknown_rank"
+
+
+def test_stats_pages_hold_100_records_and_name_the_next(server, http):
+    while len(server.stats.records) < 250:
+        server.stats.add(1, 0)
+    everything = caught_up(server, http)
+    first = http.get("/stats")
+    assert first.json() == everything[:100]
+    nxt = httpx.URL(first.links["next"]["url"])
+    assert nxt.path == "/stats" and nxt.params["since"] == str(everything[99]["iter"]) and nxt.params["limit"] == "100"
+    last = http.get("/stats", params={"since": everything[-3]["iter"], "limit": 2, "ranks": "true"})
+    assert [r["iter"] for r in last.json()] == [r["iter"] for r in everything[-2:]] and "link" not in last.headers
+    ranked = http.get("/stats", params={"limit": 1, "ranks": "true"})
+    assert httpx.URL(ranked.links["next"]["url"]).params["ranks"] == "true"  # the next page keeps the query
+    with StatsClient(server.url) as c:
+        assert c.get_all_stats(page=7) == everything
 
 
 def test_metrics_health_ranks(http):

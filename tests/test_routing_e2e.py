@@ -6,6 +6,7 @@ import time
 import httpx
 import pytest
 
+from deployment.client import StatsClient
 from deployment.sse import SSEDecoder
 from kvcache.events import prompt_keys
 from workers.placement import salt_label
@@ -40,7 +41,7 @@ def _kv_events(http: httpx.Client, headers: dict, until) -> list[tuple[str, dict
 def _routing_sums(http: httpx.Client, salt: str, want: int, timeout_s: float = 60) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
-        routing = [r["routing"] for r in http.get("/stats").json() if r.get("routing")]
+        routing = [r["routing"] for r in StatsClient(str(http.base_url)).get_all_stats() if r.get("routing")]
         mine = [r["perSalt"][salt_label(salt)] for r in routing if salt_label(salt) in r["perSalt"]]
         if sum(s["requests"] for s in mine) >= want or time.monotonic() > deadline:
             return {k: sum(s[k] for s in mine) for k in ("requests", "predictedReusedBlocks",
