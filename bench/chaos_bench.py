@@ -115,8 +115,12 @@ async def chaos(url: str, engine_id: str, stop: asyncio.Event, every_s: float, d
 async def main_async(url: str, args: argparse.Namespace) -> None:
     async with httpx.AsyncClient(base_url=url, timeout=30) as http:
         start_cum = (await http.get("/kv_cache_stats")).json()
-        last = (await http.get("/stats")).json()
-    since = last[-1]["iter"] if last else -1
+        since = -1
+        while True:  # the newest record: /stats pages, oldest first
+            page = (await http.get("/stats", params={"since": since, "limit": 1000})).json()
+            if not page:
+                break
+            since = page[-1]["iter"]
     stop, records, recoveries, down = asyncio.Event(), [], [], [False]
     follower = asyncio.ensure_future(follow(url, stop, records))
     t0 = time.monotonic()

@@ -206,9 +206,9 @@ def _assert_openai_error(resp: httpx.Response, status: int, code: str | None = N
     return err
 
 
-def all_stats(http) -> list[dict]:
-    """Every record /stats holds, page after page (each names the next in `Link: <...>; rel="next"`)."""
-    out, resp = [], http.get("/stats")
+def all_stats(http, since: int = -1) -> list[dict]:
+    """Every record /stats holds after `since`, page after page (each names the next in `Link: ...; rel="next"`)."""
+    out, resp = [], http.get("/stats", params={"since": since})
     while True:
         out.extend(resp.json())
         if "next" not in resp.links:

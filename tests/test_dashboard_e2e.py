@@ -12,6 +12,7 @@ import httpx
 import pytest
 from browser_support import browser, chart_points, dashboard_state, page  # noqa: F401  (fixtures)
 from e2e_fixtures import E2E_APP_NAME, wait_healthy
+from http_support import all_stats
 
 from deployment.loadgen import make_prompts
 
@@ -69,7 +70,8 @@ def settled(url: str, page, timeout_s: float = 120) -> dict:  # noqa: F811
     deadline = time.monotonic() + timeout_s
     while True:
         cum = httpx.get(f"{url}/kv_cache_stats", timeout=10).json()
-        latest = httpx.get(f"{url}/stats", params={"since": -1}, timeout=30).json()[-1]["iter"]
+        with httpx.Client(base_url=url, timeout=30) as http:
+            latest = all_stats(http)[-1]["iter"]
         shown = page_numbers(page)
         if shown["iter"] == latest and shown["reused"] == cum["reusedBlocks"]:
             return {"cum": cum, "shown": shown, "latest": latest}
@@ -125,8 +127,8 @@ def test_dashboard_follows_the_live_app_and_comes_back_after_a_restart(serve_app
     assert second["shown"]["text"] == hit_rate_text(second["cum"])
     st = dashboard_state(page)
     assert st["connects"] >= 2 and st["resets"] == 0 and st["duplicates"] == 0, (killed, st)
-    server_iters = [r["iter"] for r in httpx.get(f"{serve_app}/stats", params={"since": st["firstIter"] - 1},
-                                                 timeout=30).json()]
+    with httpx.Client(base_url=serve_app, timeout=30) as http:
+        server_iters = [r["iter"] for r in all_stats(http, since=st["firstIter"] - 1)]
     assert st["received"] == len(server_iters), "records lost across the reconnect"
     page.screenshot(path=str(tmp_path / "dashboard-e2e.png"), full_page=True)
     assert page.js_errors == []
