@@ -13,8 +13,14 @@ A delta's path: a rank's `step()` returns it with its step result; the engine fo
 deltas in one `ingest` call (one in flight) and keeps them until acknowledged.
 """
 
-from .actor import StaleSession, StatsAggregator, StatsAggregatorImpl, aggregator_name, get_or_create_aggregator
-from .delta import Iteration, RankDelta, RankLayout
+from aggregator.actor import (
+           StaleSession,
+           StatsAggregator,
+           StatsAggregatorImpl,
+           aggregator_name,
+           get_or_create_aggregator,
+)
+from aggregator.delta import Iteration, RankDelta, RankLayout
 
 __all__ = ["Iteration", "RankDelta", "RankLayout", "StaleSession", "StatsAggregator", "StatsAggregatorImpl",
            "aggregator_name", "get_or_create_aggregator"]

@@ -38,11 +38,11 @@ from typing import Any
 
 import ray
 
-from .assembler import Assembler
-from .buffer import RecordBuffer
-from .delta import Iteration, RankDelta, RankLayout
-from .fields import POOL_VIEW, ROUTING_COUNTERS, VIEW_COUNTERS, WINDOW_VIEW
-from .metrics import render_metrics
+from aggregator.assembler import Assembler
+from aggregator.buffer import RecordBuffer
+from aggregator.delta import Iteration, RankDelta, RankLayout
+from aggregator.fields import POOL_VIEW, ROUTING_COUNTERS, VIEW_COUNTERS, WINDOW_VIEW
+from aggregator.metrics import render_metrics
 
 log = logging.getLogger("kvfleet.aggregator")
 _KV_NAMESPACE = "kvfleet"

@@ -20,11 +20,10 @@ from typing import Any
 
 import numpy as np
 
+from aggregator.delta import ENGINE_FIGURES, FLOAT_FIGURES, KV_STATS, SCHED, Iteration, RankDelta, RankLayout
+from aggregator.fields import KV_STATS_COUNTERS, KV_STATS_GAUGES
+from aggregator.merge import merge, views_of
 from kvcache.stats import hit_rate
-
-from .delta import ENGINE_FIGURES, FLOAT_FIGURES, KV_STATS, SCHED, Iteration, RankDelta, RankLayout
-from .fields import KV_STATS_COUNTERS, KV_STATS_GAUGES
-from .merge import merge, views_of
 
 _COUNTERS = [KV_STATS.index(k) for k in KV_STATS_COUNTERS]
 _GAUGES = [KV_STATS.index(k) for k in KV_STATS_GAUGES]

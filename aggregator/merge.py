@@ -21,10 +21,9 @@ from typing import Any
 
 import numpy as np
 
+from aggregator.delta import KV_STATS_INDEX, SCHED, SCHED_INDEX, RankLayout
+from aggregator.fields import HIT_RATE_FIELD, LIFECYCLE_VIEW, POOL_VIEW, STATIC_FIELDS, VIEW_KEY_NAME, VIEWS
 from kvcache.stats import COUNTER_KEYS, GAUGE_KEYS, KvCacheIterationReport, PoolGroupSnapshot, hit_rate
-
-from .delta import KV_STATS_INDEX, SCHED, SCHED_INDEX, RankLayout
-from .fields import HIT_RATE_FIELD, LIFECYCLE_VIEW, POOL_VIEW, STATIC_FIELDS, VIEW_KEY_NAME, VIEWS
 
 _BYTES = np.array([k.endswith("Bytes") for k in COUNTER_KEYS])
 _MEMORY = [SCHED_INDEX[k] for k in ("gpuMemUsage", "cpuMemUsage", "pinnedMemUsage")]

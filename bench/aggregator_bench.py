@@ -28,8 +28,8 @@ import ray
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from aggregator import get_or_create_aggregator  # noqa: E402
+from engine.stats_channel import StatsChannel  # noqa: E402
 from tests.aggregator_support import FakeCluster  # noqa: E402
-from workers.stats_channel import StatsChannel  # noqa: E402
 
 
 @ray.remote(num_cpus=0)

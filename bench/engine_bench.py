@@ -19,8 +19,8 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import ray  # noqa: E402
 
 from deployment.settings import Settings  # noqa: E402
-from workers.engine import Engine  # noqa: E402
-from workers.sampling import SamplingParams  # noqa: E402
+from engine.core import Engine  # noqa: E402
+from workers.sampling_params import SamplingParams  # noqa: E402
 
 
 async def decode_tokens_per_s(eng: Engine, n_requests: int, gen: int) -> float:

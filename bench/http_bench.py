@@ -228,7 +228,7 @@ async def completion_overhead(url: str, app_name: str | None, n: int = 20) -> di
     if app_name is not None:
         from ray import serve
 
-        from workers.sampling import SamplingParams
+        from workers.sampling_params import SamplingParams
 
         handle = serve.get_deployment_handle("KVFleetEngine", app_name).options(stream=True)
         ids = list(body["prompt"].encode())

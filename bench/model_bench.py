@@ -27,10 +27,10 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 
 from deployment.settings import Settings  # noqa: E402
-from workers.engine import Engine  # noqa: E402
+from engine.core import Engine  # noqa: E402
 from workers.gguf_model import packaged_gguf  # noqa: E402
-from workers.loader import load_tokenizer  # noqa: E402
-from workers.sampling import SamplingParams  # noqa: E402
+from workers.models import load_tokenizer  # noqa: E402
+from workers.sampling_params import SamplingParams  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 RAY_WORKER_NICENESS = 15  # what the raylet gives worker processes, the rank actor included

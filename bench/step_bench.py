@@ -26,10 +26,10 @@ import ray  # noqa: E402
 
 from bench.engine_bench import decode_tokens_per_s  # noqa: E402
 from deployment.settings import Settings  # noqa: E402
-from workers.engine import Engine  # noqa: E402
-from workers.sampling import SamplingParams  # noqa: E402
-from workers.transport import STEP_TRANSPORTS, make_transport  # noqa: E402
-from workers.worker import StepPlan, StepResult  # noqa: E402
+from engine.core import Engine  # noqa: E402
+from engine.transport import STEP_TRANSPORTS, make_transport  # noqa: E402
+from workers.sampling_params import SamplingParams  # noqa: E402
+from workers.step import StepPlan, StepResult  # noqa: E402
 
 
 class TimedTransport:

@@ -24,7 +24,7 @@ from deployment.detokenize import TextStream
 from deployment.errors import APIError, clean_message, error_body
 from deployment.settings import Settings
 from deployment.sse import SSE_EVENT, SSE_HEADERS
-from workers.errors import EngineError, Overloaded, RequestError, RequestFailed
+from engine.errors import EngineError, Overloaded, RequestError, RequestFailed
 
 logger = logging.getLogger("kvfleet.deployment")
 
@@ -126,7 +126,7 @@ class _Generation:
             raise APIError(400, f"prompt: {exc}", code="invalid_prompt", param="prompt") from None
 
     async def _params(self, req: protocol._SamplingRequest, ids: list[int]) -> Any:
-        from workers.sampling import SamplingParams  # torch: only where a request is served
+        from workers.sampling_params import SamplingParams  # torch: only where a request is served
 
         max_tokens = req.max_tokens
         if max_tokens is None:  # the server default, cut to what the context has left (the engine checks)

@@ -27,7 +27,7 @@ from ray.serve.handle import DeploymentHandle
 from deployment.mirror import StatsMirror
 from deployment.routes import create_api
 from deployment.settings import Settings
-from workers.errors import EngineError, RequestError, RequestFailed, check_request
+from engine.errors import EngineError, RequestError, RequestFailed, check_request
 
 logger = logging.getLogger("kvfleet.deployment")
 
@@ -74,7 +74,7 @@ class ActorStats:
 )
 class KVFleetEngine:
     async def __init__(self, settings: Settings) -> None:
-        from workers.engine import Engine  # imported here: importing `deployment` must stay light
+        from engine.core import Engine  # imported here: importing `deployment` must stay light
 
         self._settings = settings
         self._engine = Engine(settings)
@@ -187,7 +187,7 @@ def _engine_error(e: Exception) -> Exception:
 @serve.ingress()
 class KVFleetIngress:
     async def __init__(self, settings: Settings, engine: DeploymentHandle) -> None:
-        from workers.loader import load_tokenizer
+        from workers.models import load_tokenizer
 
         self._settings = settings
         info = await engine.info.remote()  # waits for the engine's replica to be up

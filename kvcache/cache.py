@@ -9,13 +9,13 @@ block ordinal and `nb` a number of blocks.
 
 from typing import TYPE_CHECKING
 
-from .attention import cdiv
-from .pending import SEG_GEN, SEG_MISS, SEG_PLAIN, PendingStats
-from .pool import DEFAULT_PRIORITY, Page
-from .stats import KVCacheStatsDelta
+from kvcache.attention import cdiv
+from kvcache.pending import SEG_GEN, SEG_MISS, SEG_PLAIN, PendingStats
+from kvcache.pool import DEFAULT_PRIORITY, Page
+from kvcache.stats import KVCacheStatsDelta
 
 if TYPE_CHECKING:
-    from .manager import KVCacheManager
+    from kvcache.manager import KVCacheManager
 
 
 class KVCacheError(RuntimeError):

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .attention import FullAttention, SlidingWindow, attention_policy
+from kvcache.attention import FullAttention, SlidingWindow, attention_policy
 
 
 @dataclass(frozen=True)

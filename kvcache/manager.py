@@ -19,12 +19,14 @@ import logging
 
 import torch
 
-from .attention import cdiv
-from .cache import KVCache
-from .config import KVCacheManagerConfig, derive_layout, split_quota
-from .events import EventRecorder, root_key
-from .pending import PendingStats
-from .pool import Page, SlotPool
+from kvcache.attention import cdiv
+from kvcache.cache import KVCache
+from kvcache.config import KVCacheManagerConfig, derive_layout, split_quota
+from kvcache.events import EventRecorder, root_key
+from kvcache.pending import PendingStats
+from kvcache.pool import Page, SlotPool
+from kvcache.tree import Node
+
 from .stats import (
     ALLOC_NEW,
     ALLOC_TOTAL,
@@ -43,7 +45,6 @@ from .stats import (
     KVCacheStatsDelta,
     PoolGroupSnapshot,
 )
-from .tree import Node
 
 log = logging.getLogger(__name__)
 

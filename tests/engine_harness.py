@@ -6,14 +6,15 @@ import types
 import torch
 
 from deployment.settings import Settings
+from engine import ranks
+from engine.core import Engine
+from engine.transport import make_transport
 from kvcache.events import reuse_table
-from workers import ranks
 from workers.config import CacheSettings
-from workers.engine import Engine
 from workers.loader import load_model
 from workers.parallel import TPGroup
-from workers.transport import make_transport
-from workers.worker import RankSpec, RankWorker, build_kv_cache, layout_of
+from workers.step import RankSpec
+from workers.worker import RankWorker, build_kv_cache, layout_of
 
 _MODEL: dict = {}
 
@@ -89,7 +90,7 @@ async def make_engine(**overrides) -> Engine:
 
 
 async def generate(eng: Engine, prompt: list[int], **params) -> list[int]:
-    from workers.sampling import SamplingParams
+    from workers.sampling_params import SamplingParams
 
     return [ev.token_id async for ev in eng.generate(None, prompt, SamplingParams(**params))]
 

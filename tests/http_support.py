@@ -14,8 +14,8 @@ import uvicorn
 from deployment.mirror import StatsMirror
 from deployment.routes import create_api
 from deployment.settings import Settings
-from workers.errors import EngineError, Overloaded, RequestError, RequestFailed, check_request
-from workers.kv_stream import KVEventStream
+from engine.errors import EngineError, Overloaded, RequestError, RequestFailed, check_request
+from engine.kv_stream import KVEventStream
 from workers.tokenizer import ByteTokenizer
 
 EOS = ByteTokenizer.eos_token_id

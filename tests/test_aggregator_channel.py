@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aggregator.actor import TAIL_RECORDS, StaleSession, StatsAggregatorImpl
+from engine.stats_channel import StatsChannel
 from tests.aggregator_support import FakeCluster
-from workers.stats_channel import StatsChannel
 
 
 class MemoryCheckpoint:

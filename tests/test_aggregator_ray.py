@@ -10,8 +10,8 @@ import ray
 
 from aggregator import get_or_create_aggregator
 from aggregator.delta import KV_STATS
+from engine.stats_channel import StatsChannel
 from tests.aggregator_support import FakeCluster
-from workers.stats_channel import StatsChannel
 
 pytestmark = pytest.mark.ray
 
@@ -52,8 +52,8 @@ def test_a_rank_killed_mid_generation_is_restarted_and_its_requests_complete(ray
     """A real rank actor killed while its group generates: every request completes with the tokens of the run
     without the fault; records name the rank missing at once, then are complete again with a new incarnation."""
     from deployment.settings import Settings
-    from workers.engine import Engine
-    from workers.sampling import SamplingParams
+    from engine.core import Engine
+    from workers.sampling_params import SamplingParams
 
     async def main():
         eng = Engine(Settings(model="random", engine_id=f"t-rank-kill-{transport}", dp=2, tp=1, device="cpu",

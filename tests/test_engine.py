@@ -15,13 +15,13 @@ import ray
 import torch
 
 from deployment.settings import Settings
+from engine.core import Engine, EngineError, RequestError
+from engine.transport import STEP_TRANSPORTS
 from kvcache import KVCacheManager
 from workers.config import CacheSettings
-from workers.engine import Engine, EngineError, RequestError
 from workers.loader import kv_cache_config, load_model
 from workers.model import SeqInput
-from workers.sampling import SamplingParams
-from workers.transport import STEP_TRANSPORTS
+from workers.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 

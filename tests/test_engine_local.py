@@ -7,10 +7,10 @@ import pytest
 import ray
 import torch
 
+from engine.core import RequestError, RequestFailed, first_iteration
 from tests.engine_harness import generate, make_engine, settled
 from workers import worker as worker_module
-from workers.engine import RequestError, RequestFailed, first_iteration
-from workers.sampling import SamplingParams
+from workers.sampling_params import SamplingParams
 from workers.tokenizer import ByteTokenizer
 
 PROMPT = list(range(1, 20))
@@ -166,7 +166,7 @@ def test_statistics_off_serves_the_same_tokens_and_the_ranks_report_nothing():
 
 def test_a_bug_in_the_step_loop_fails_the_engine_and_its_health_instead_of_hanging():
     """Without the guard the loop task died, requests waited forever and /health (and Serve's check) passed."""
-    from workers.errors import EngineError
+    from engine.errors import EngineError
 
     async def main():
         eng = await make_engine()

@@ -8,9 +8,9 @@ import types
 import pytest
 import ray
 
+from engine.errors import EngineError, Overloaded
 from tests.engine_harness import generate, make_engine, until
-from workers.errors import EngineError, Overloaded
-from workers.sampling import SamplingParams
+from workers.sampling_params import SamplingParams
 
 PROMPTS = [list(range(1, 20)) + [i] for i in range(4)]
 
@@ -183,7 +183,7 @@ def test_a_shutdown_during_a_restart_removes_what_the_restart_launched():
 
 
 def test_leftovers_are_an_engines_own_ranks_and_groups_not_those_of_an_id_it_prefixes():
-    from workers.ranks import left_by, pg_name, rank_name
+    from engine.ranks import left_by, pg_name, rank_name
 
     assert left_by("engine-0", rank_name("engine-0", 3, "ab12cd34"))
     assert left_by("engine-0", pg_name("engine-0", 1))
@@ -212,9 +212,9 @@ def test_requests_of_the_last_group_to_stay_down_get_one_error_each():
 def test_a_request_a_smaller_restarted_cache_can_never_hold_fails_instead_of_waiting_forever():
     """On CUDA a restarted group's cache is sized from the memory free then: it may hold less than before."""
     async def main():
+        from engine import ranks
+        from engine.errors import RequestError
         from tests import engine_harness as h
-        from workers import ranks
-        from workers.errors import RequestError
 
         eng = await make_engine(dp=1)
         before = eng.max_model_len

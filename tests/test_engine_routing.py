@@ -4,11 +4,11 @@ import asyncio
 
 import pytest
 
+from engine.errors import RequestFailed
 from kvcache.events import REMOVED, KVEvent, key_of, prompt_keys
 from tests.engine_harness import generate, make_engine, settled
 from tests.kvcache_helpers import tree_blocks
-from workers.errors import RequestFailed
-from workers.sampling import SamplingParams
+from workers.sampling_params import SamplingParams
 
 B = 16
 TENANT_A = list(range(1, 97))  # 6 full blocks

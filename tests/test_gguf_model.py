@@ -6,8 +6,8 @@ from gguf_support import TINY, tiny_hf_weights, write_gguf
 from test_model_support import make_manager, teacher_forced_logits
 
 from workers.gguf_model import GGUFError, check_gguf
-from workers.loader import _build, _DictSource, _load_weights, load_model, load_tokenizer
-from workers.models import check_model, resolve_model
+from workers.loader import _build, _DictSource, _load_weights, load_model
+from workers.models import check_model, load_tokenizer, resolve_model
 
 
 def _reference(weights):
@@ -107,7 +107,7 @@ def test_rope_scaling_we_do_not_implement_is_refused(tmp_path, kind):
 def test_engine_rejects_a_bad_model_before_any_rank(tmp_path):
     """Engine() checks the model in its constructor, before start() creates a rank (no Ray needed)."""
     from deployment.settings import Settings
-    from workers.engine import Engine
+    from engine.core import Engine
 
     path = tmp_path / "broken.gguf"
     path.write_bytes(b"GGUF\x03\x00\x00\x00")

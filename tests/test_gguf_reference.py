@@ -9,7 +9,8 @@ import torch
 from gguf_support import hf_greedy, hf_model, hf_tokenizer, smollm2_path  # noqa: F401  (the session fixtures)
 from test_model_support import greedy, make_manager, teacher_forced_logits
 
-from workers.loader import load_model, load_tokenizer
+from workers.loader import load_model
+from workers.models import load_tokenizer
 
 pytestmark = pytest.mark.slow
 

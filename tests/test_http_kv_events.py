@@ -5,9 +5,9 @@ import json
 import httpx
 
 from deployment.sse import SSEDecoder
+from engine.kv_stream import KVEventStream
 from kvcache.events import STORED, KVEvent
 from tests.http_support import _assert_openai_error
-from workers.kv_stream import KVEventStream
 
 
 def _events(resp, n: int) -> list[tuple[str, dict]]:

@@ -171,7 +171,7 @@ class LocalRayNode:
 
 @pytest.fixture
 def two_node_cluster(tmp_path: Path) -> Iterator[dict[str, Any]]:
-    pytest.importorskip("workers.engine", reason="workers/engine.py (the Engine) is not written yet")
+    pytest.importorskip("engine.core", reason="engine/core.py (the Engine) is not written yet")
     spec = rayservice()["spec"]["rayClusterConfig"]
     (worker_group,) = spec["workerGroupSpecs"]
     # Short and unique: Ray puts unix sockets under it, and the final sweep kills by this path.

@@ -6,11 +6,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from engine.kv_index import KVIndex
 from kvcache import AttentionLayerConfig as L
 from kvcache import KVCacheManager, KVCacheManagerConfig
 from kvcache.events import CLEARED, MOVED, REMOVED, STORED, block_key, prompt_keys, reuse_table, root_key
 from tests.kvcache_helpers import random_cache_op, small_manager, tree_blocks
-from workers.kv_index import KVIndex
 
 F = torch.float32
 LAYOUTS = {

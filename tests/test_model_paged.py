@@ -4,9 +4,11 @@ import pytest
 import torch
 from test_model_support import greedy, make_manager, step
 
-from workers.loader import load_model, load_tokenizer
+from workers.loader import load_model
 from workers.model import SeqInput
-from workers.sampling import SamplingParams, sample
+from workers.models import load_tokenizer
+from workers.sampling import sample
+from workers.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,8 @@ from kvcache import KVCacheManager
 from workers.config import CacheSettings, ModelConfig
 from workers.loader import kv_cache_config
 from workers.model import Model, SeqInput
-from workers.sampling import SamplingParams, sample
+from workers.sampling import sample
+from workers.sampling_params import SamplingParams
 
 TINY = dict(
     vocab_size=97,

@@ -6,11 +6,11 @@ from aggregator.assembler import Assembler
 from aggregator.delta import Iteration
 from aggregator.metrics import render_metrics
 from deployment.settings import Settings
+from engine.kv_stream import KVEventStream
+from engine.placement import TOP_SALTS, Router, group_load, salt_label
+from engine.scheduler import Group, Request
 from kvcache.events import CLEARED, MOVED, REMOVED, STORED, KVEvent, block_key, prompt_keys
-from workers.kv_stream import KVEventStream
-from workers.placement import TOP_SALTS, Router, group_load, salt_label
-from workers.sampling import SamplingParams
-from workers.scheduler import Group, Request
+from workers.sampling_params import SamplingParams
 
 B = 16
 PROMPT = list(range(1, 65))  # 4 full blocks

@@ -11,7 +11,7 @@ def test_a_launch_cancelled_while_its_group_waits_for_placement_removes_the_grou
     from ray.util import placement_group_table
 
     from deployment.settings import Settings
-    from workers import ranks
+    from engine import ranks
 
     s = Settings(model="random", engine_id="unplaceable", dp=1, tp=1, device="cpu", num_cpus_per_rank=64)
     name = ranks.pg_name("unplaceable", 0)

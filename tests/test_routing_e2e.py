@@ -8,8 +8,8 @@ import pytest
 
 from deployment.client import StatsClient
 from deployment.sse import SSEDecoder
+from engine.placement import salt_label
 from kvcache.events import prompt_keys
-from workers.placement import salt_label
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray, pytest.mark.slow]
 

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from workers.sampling import SamplingParams, sample
+from workers.sampling import make_generator, sample
+from workers.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -28,8 +29,8 @@ def test_defaults_and_normalisation():
     p = SamplingParams(stop_token_ids=[3, 4], top_k=-1)
     assert p.stop_token_ids == (3, 4) and p.max_tokens == 16 and not p.greedy
     assert SamplingParams(temperature=0).greedy
-    assert p.make_generator() is None
-    g = SamplingParams(seed=5).make_generator()
+    assert make_generator(p) is None
+    g = make_generator(SamplingParams(seed=5))
     assert torch.randint(0, 100, (3,), generator=g).tolist() == torch.randint(
         0, 100, (3,), generator=torch.Generator().manual_seed(5)).tolist()
 
@@ -72,7 +73,7 @@ def test_seeded_rows_do_not_depend_on_batch_neighbours():
     p = SamplingParams(temperature=1.0, seed=11)
 
     def draws(batch_rows, params):
-        g = [q.make_generator() for q in params]
+        g = [make_generator(q) for q in params]
         out = []
         for _ in range(20):
             out.append(sample(x[batch_rows], params, g))

@@ -9,10 +9,10 @@ import pytest
 import ray
 
 from deployment.settings import Settings
-from workers import ranks
-from workers.sampling import SamplingParams
-from workers.transport import CompiledGraph, make_transport
-from workers.worker import NewRequest, StepPlan, StepResult, Work
+from engine import ranks
+from engine.transport import CompiledGraph, make_transport
+from workers.sampling_params import SamplingParams
+from workers.step import NewRequest, StepPlan, StepResult, Work
 
 pytestmark = [pytest.mark.ray]
 

@@ -7,8 +7,8 @@ import types
 import pytest
 import ray
 
-from workers.transport import ActorCalls, make_transport
-from workers.worker import StepPlan
+from engine.transport import ActorCalls, make_transport
+from workers.step import StepPlan
 
 
 class FakeRank:

@@ -24,7 +24,6 @@ from workers.config import CacheSettings, ModelConfig
 from workers.gguf_model import GGUFSource, check_gguf, read_gguf
 from workers.model import Model
 from workers.models import RANDOM_MODEL, default_config, resolve_model
-from workers.tokenizer import ByteTokenizer, HFTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -101,20 +100,6 @@ def load_model(
         dtype,
     )
     return model, cfg
-
-
-def load_tokenizer(path: str | None) -> ByteTokenizer | HFTokenizer:
-    """The model's tokenizer: the byte tokenizer for the built-in model, a GGUF file's own (after checking
-    the file, so a bad one fails here, before any rank exists), or a directory's tokenizer.json."""
-    kind, file = resolve_model(path)
-    if kind == RANDOM_MODEL:
-        return ByteTokenizer()
-    if kind == "gguf":
-        from workers.gguf_tokenizer import gguf_tokenizer
-
-        check_gguf(file)
-        return gguf_tokenizer(file)
-    return HFTokenizer.from_dir(file)
 
 
 @contextlib.contextmanager

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from workers.config import ModelConfig
 from workers.gguf_model import PACKAGED_MODELS, check_gguf, packaged_gguf
-from workers.tokenizer import ByteTokenizer
+from workers.tokenizer import ByteTokenizer, HFTokenizer
 
 RANDOM_MODEL = "random"
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -73,3 +73,17 @@ def default_config() -> ModelConfig:
         bos_token_id=tok.bos_token_id,
         eos_token_ids=(tok.eos_token_id,),
     )
+
+
+def load_tokenizer(path: str | None) -> ByteTokenizer | HFTokenizer:
+    """The model's tokenizer: the byte tokenizer for the built-in model, a GGUF file's own (after checking
+    the file, so a bad one fails here, before any rank exists), or a directory's tokenizer.json."""
+    kind, file = resolve_model(path)
+    if kind == RANDOM_MODEL:
+        return ByteTokenizer()
+    if kind == "gguf":
+        from workers.gguf_tokenizer import gguf_tokenizer
+
+        check_gguf(file)
+        return gguf_tokenizer(file)
+    return HFTokenizer.from_dir(file)

@@ -14,7 +14,6 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -22,89 +21,16 @@ import torch
 
 from aggregator.delta import RankDelta, RankLayout, pack
 from kvcache import KVCacheManager
-from kvcache.events import KVEvent, reuse_table
-
-from .config import CacheSettings
-from .loader import kv_cache_config, load_model
-from .model import SeqInput
-from .parallel import TPGroup, free_port, group_min, init_tp_group, node_ip
-from .sampling import SamplingParams, sample
+from kvcache.events import reuse_table
+from workers.loader import kv_cache_config, load_model
+from workers.model import SeqInput
+from workers.parallel import TPGroup, free_port, group_min, init_tp_group, node_ip
+from workers.sampling import make_generator, sample
+from workers.step import NewRequest, RankSpec, StepPlan, StepResult, Work
 
 log = logging.getLogger("kvfleet.worker")
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-@dataclass
-class RankSpec:
-    """What one rank needs to start; plain data so it pickles into the actor."""
-
-    engine_id: str
-    rank: int
-    dp: int
-    tp: int
-    model: str
-    device: str  # "cpu" or "cuda"
-    dtype: str
-    seed: int
-    cache: CacheSettings
-    max_num_batched_tokens: int
-    num_threads: int = 1
-
-    @property
-    def dp_rank(self) -> int:
-        return self.rank // self.tp
-
-    @property
-    def tp_rank(self) -> int:
-        return self.rank % self.tp
-
-
-@dataclass
-class NewRequest:
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    cache_salt: str | None = None
-    warmup: bool = False  # warm-up requests are excluded from every statistic
-    drawn: int = 0  # tokens already sampled (a request re-prefilled on a new group): a seeded sampler goes on
-    block_keys: list[int] | None = None  # the prompt's full blocks' keys (kvcache.events), computed once
-
-
-@dataclass
-class Work:
-    """Run up to `budget` tokens of a request; `append` is the token sampled last step (None in prefill)."""
-
-    request_id: str
-    budget: int
-    append: int | None = None
-
-
-@dataclass
-class StepPlan:
-    iteration: int
-    new: list[NewRequest] = field(default_factory=list)
-    work: list[Work] = field(default_factory=list)  # highest priority first
-    close: list[str] = field(default_factory=list)
-    record: bool = True  # False for warm-up steps: no stats message
-    kv_events: bool = False  # record KV events (tp rank 0 only: the others make the same decisions)
-    kv_resync: bool = False  # start them with a snapshot of everything the cache holds
-
-
-@dataclass
-class StepResult:
-    iteration: int
-    ran: dict[str, tuple[int, int | None]]  # request id -> (history after, sampled token or None mid-prefill)
-    deferred: list[str]  # scheduled but found no room this step
-    recomputed: list[str]  # preempted by closing their cache: they prefill again (reusing what is cached)
-    suspended: list[str]  # preempted by suspend(): their blocks may go to the host tier
-    reused: dict[str, int]  # new request id -> tokens reused from the prefix cache
-    step_s: float
-    failed: dict[str, str] = field(default_factory=dict)  # request id -> why; the rank has dropped it
-    delta: RankDelta | None = None  # this rank's stats of the iteration (None: warm-up, or stats off)
-    kv_events: list[KVEvent] | None = None  # this step's KV events (plan.kv_events, tp rank 0)
-    first_reuse: dict[str, int] = field(default_factory=dict)  # request id -> reused blocks of its first commit
-    free_blocks: int = -1  # free primary blocks after the step (with KV events)
 
 
 def build_kv_cache(spec: RankSpec, cfg: Any, device: str, dtype: torch.dtype, tp_group: TPGroup) -> KVCacheManager:
@@ -145,7 +71,7 @@ class _Req:
     def generator(self) -> torch.Generator | None:
         """The generator of the request's next draw (seeded per draw: a rank that takes the request over
         draws what the first one would have)."""
-        return self.params.make_generator(self.device, self.drawn)
+        return make_generator(self.params, self.device, self.drawn)
 
 
 class RankWorker:

@@ -20,8 +20,7 @@ from typing import Any
 
 from aggregator.actor import StaleSession
 from aggregator.delta import Iteration
-
-from .errors import one_line
+from engine.errors import one_line
 
 log = logging.getLogger("kvfleet.engine")
 

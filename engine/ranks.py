@@ -21,10 +21,10 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from .config import CacheSettings
-from .errors import EngineError, one_line
-from .sampling import SamplingParams
-from .worker import NewRequest, RankSpec, RankWorker, StepPlan, StepResult, Work
+from engine.errors import EngineError, one_line
+from workers.config import CacheSettings
+from workers.sampling_params import SamplingParams
+from workers.step import NewRequest, RankSpec, StepPlan, StepResult, Work
 
 log = logging.getLogger("kvfleet.engine")
 
@@ -39,44 +39,6 @@ class Launched:
     pg: Any
     workers: list
     infos: list[dict[str, Any]]
-
-
-@dataclass
-class StepFailure:
-    """A rank's step raised: `rank_gone` when the actor itself is dead or unreachable."""
-
-    rank: int
-    error: BaseException
-
-    @property
-    def rank_gone(self) -> bool:
-        return isinstance(self.error, ray.exceptions.RayActorError)
-
-
-async def step_all(transport: Any, world_size: int, plans: list[StepPlan | None],
-                   tp: int) -> tuple[list, list, tuple[int, ...]]:
-    """Step every rank of each dp group that has a plan, with its group's plan, through `transport`
-    (workers/transport.py). Per group: tp rank 0's result (with every tp rank's failed requests), or the
-    failure of a rank whose step raised (a dead rank first), or None; then every rank's stats delta, and the
-    ranks that gave none (not stepped, or failed)."""
-    stepped = [rank for rank in range(world_size) if plans[rank // tp] is not None]
-    answers = await transport.step([plans[r // tp] for r in range(world_size)])
-    outs = [answers[r] for r in stepped]
-    results: list = [None] * len(plans)
-    deltas = [out.delta for out in outs if isinstance(out, StepResult) and out.delta is not None]
-    reported = {d.rank for d in deltas}
-    missing = tuple(r for r in range(world_size) if r not in reported)
-    for rank, out in zip(stepped, outs, strict=True):
-        dp, cur = rank // tp, results[rank // tp]
-        if isinstance(out, BaseException):
-            fail = StepFailure(rank, out)
-            if not isinstance(cur, StepFailure) or (fail.rank_gone and not cur.rank_gone):
-                results[dp] = fail
-        elif cur is None:
-            results[dp] = out
-        elif isinstance(cur, StepResult):
-            cur.failed.update(out.failed)
-    return results, deltas, missing
 
 
 def pg_name(engine_id: str, dp: int) -> str:
@@ -121,6 +83,8 @@ async def start_group(settings: Any, dp: int, device: str, dtype: str) -> tuple[
     except BaseException:  # not placed in time, or the launch was cancelled: the pending group must not stay
         stop([], [pg])
         raise
+    from workers.worker import RankWorker  # torch: ray.remote needs the class, so only where ranks start
+
     actor_cls = ray.remote(RankWorker)
     cache = CacheSettings.of(s)
     workers = []

@@ -33,10 +33,9 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from engine.kv_index import KVIndex
+from engine.kv_stream import KVEventStream
 from kvcache.events import prompt_keys, root_key
-
-from .kv_index import KVIndex
-from .kv_stream import KVEventStream
 
 POLICIES = ("kv", "least_loaded", "round_robin")
 TOP_SALTS = 16

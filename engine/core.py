@@ -26,18 +26,24 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from aggregator.delta import Iteration
-
-from . import ranks
-from .errors import RETRY_AFTER_DOWN_S, EngineError, Overloaded, RequestError, RequestFailed, check_request, one_line
-from .loader import load_tokenizer
-from .models import check_model
-from .placement import Router
-from .recovery import Orphans, restart_group
-from .sampling import SamplingParams
-from .scheduler import Group, Request, TokenEvent, apply_result, figures, plan_group
-from .stats_channel import StatsChannel
-from .transport import Transport, make_transport
-from .worker import StepResult
+from engine import ranks
+from engine.errors import (
+    RETRY_AFTER_DOWN_S,
+    EngineError,
+    Overloaded,
+    RequestError,
+    RequestFailed,
+    check_request,
+    one_line,
+)
+from engine.placement import Router
+from engine.recovery import Orphans, restart_group
+from engine.scheduler import Group, Request, TokenEvent, apply_result, figures, plan_group
+from engine.stats_channel import StatsChannel
+from engine.transport import StepFailure, Transport, make_transport, step_all
+from workers.models import check_model, load_tokenizer
+from workers.sampling_params import SamplingParams
+from workers.step import StepResult
 
 log = logging.getLogger("kvfleet.engine")
 
@@ -299,12 +305,12 @@ class Engine:
                 continue
             self.router.plan(plans)
             self._changed.clear()
-            results, deltas, missing = await ranks.step_all(self.transport, len(self.workers), plans,
+            results, deltas, missing = await step_all(self.transport, len(self.workers), plans,
                                                             self.settings.tp)
             self._completed = 0
             progress = False
             for dp, res in enumerate(results):
-                if isinstance(res, ranks.StepFailure):
+                if isinstance(res, StepFailure):
                     self._group_failed(dp, res)
                     progress = True
                 elif res is not None:
@@ -327,7 +333,7 @@ class Engine:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), pause)
 
-    def _group_failed(self, dp: int, failure: ranks.StepFailure) -> None:
+    def _group_failed(self, dp: int, failure: StepFailure) -> None:
         """A dead rank takes its dp group down (the others go on): its requests are re-queued and the group
         is restarted. Any other step error fails the group's running requests, which are closed on every
         rank, and the group steps on (its KV index resyncs: that step's events are lost)."""

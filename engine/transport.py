@@ -20,12 +20,13 @@ import contextlib
 import logging
 import pickle
 import threading
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import ray
 from ray.actor import ActorHandle
 
-from .worker import StepPlan, StepResult
+from workers.step import StepPlan, StepResult
 
 log = logging.getLogger("kvfleet.transport")
 
@@ -45,6 +46,44 @@ class Transport(Protocol):
     def replace(self, workers: list[ActorHandle | None]) -> None: ...
 
     async def close(self) -> None: ...
+
+
+@dataclass
+class StepFailure:
+    """A rank's step raised: `rank_gone` when the actor itself is dead or unreachable."""
+
+    rank: int
+    error: BaseException
+
+    @property
+    def rank_gone(self) -> bool:
+        return isinstance(self.error, ray.exceptions.RayActorError)
+
+
+async def step_all(transport: Any, world_size: int, plans: list[StepPlan | None],
+                   tp: int) -> tuple[list, list, tuple[int, ...]]:
+    """Step every rank of each dp group that has a plan, with its group's plan, through `transport`
+    (workers/transport.py). Per group: tp rank 0's result (with every tp rank's failed requests), or the
+    failure of a rank whose step raised (a dead rank first), or None; then every rank's stats delta, and the
+    ranks that gave none (not stepped, or failed)."""
+    stepped = [rank for rank in range(world_size) if plans[rank // tp] is not None]
+    answers = await transport.step([plans[r // tp] for r in range(world_size)])
+    outs = [answers[r] for r in stepped]
+    results: list = [None] * len(plans)
+    deltas = [out.delta for out in outs if isinstance(out, StepResult) and out.delta is not None]
+    reported = {d.rank for d in deltas}
+    missing = tuple(r for r in range(world_size) if r not in reported)
+    for rank, out in zip(stepped, outs, strict=True):
+        dp, cur = rank // tp, results[rank // tp]
+        if isinstance(out, BaseException):
+            fail = StepFailure(rank, out)
+            if not isinstance(cur, StepFailure) or (fail.rank_gone and not cur.rank_gone):
+                results[dp] = fail
+        elif cur is None:
+            results[dp] = out
+        elif isinstance(cur, StepResult):
+            cur.failed.update(out.failed)
+    return results, deltas, missing
 
 
 def make_transport(kind: str, workers: list[ActorHandle | None]) -> Transport:

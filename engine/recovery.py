@@ -12,9 +12,9 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from . import ranks
-from .errors import RETRY_AFTER_DOWN_S, EngineError, one_line
-from .scheduler import Group, Request
+from engine import ranks
+from engine.errors import RETRY_AFTER_DOWN_S, EngineError, one_line
+from engine.scheduler import Group, Request
 
 log = logging.getLogger("kvfleet.engine")
 

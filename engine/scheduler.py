@@ -14,9 +14,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import RequestFailed
-from .sampling import SamplingParams
-from .worker import NewRequest, StepPlan, StepResult, Work
+from engine.errors import RequestFailed
+from workers.sampling_params import SamplingParams
+from workers.step import NewRequest, StepPlan, StepResult, Work
 
 
 @dataclass
