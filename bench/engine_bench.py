@@ -49,7 +49,7 @@ async def ttft_ms(eng: Engine, n_requests: int, prefix_tokens: int) -> float:
 
 
 async def with_engine(settings: Settings, fn, *args) -> float:
-    eng = Engine(settings)
+    eng = Engine(settings.engine_config())
     await eng.start()
     try:
         return await fn(eng, *args)

@@ -105,7 +105,7 @@ async def kvfleet(args, prompts: list[list[int]], run: int, ttft: bool = False):
     settings = Settings(model=MODEL, engine_id=f"bench-model-{run}", dp=1, tp=1, device="cpu", enable_stats=True,
                         num_cpus_per_rank=args.threads, max_seq_len=1024, max_num_seqs=args.requests,
                         kv_cache_bytes=1 << 30, host_cache_bytes=0)
-    eng = Engine(settings)
+    eng = Engine(settings.engine_config())
     t = time.perf_counter()
     await eng.start()
     up = time.perf_counter() - t

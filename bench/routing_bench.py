@@ -45,7 +45,7 @@ def workload(n: int, zipf: float, seed: int = 0) -> list[tuple[int, list[int]]]:
 
 
 async def run_policy(settings: Settings, requests: list[tuple[int, list[int]]]) -> dict:
-    eng = Engine(settings)
+    eng = Engine(settings.engine_config())
     await eng.start()
     params = SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
     ttft: list[float] = []

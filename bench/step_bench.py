@@ -64,7 +64,7 @@ async def overhead_ms(eng: Engine, gen: int, requests: int = 0) -> float:
         async for _ in eng.generate(None, [1 + i, 2, 3, 4], params):
             pass
 
-    await asyncio.gather(*[one(i) for i in range(requests or eng.settings.dp)])
+    await asyncio.gather(*[one(i) for i in range(requests or eng.config.dp)])
     eng.transport = timed.inner
     return statistics.median(timed.overheads) * 1000
 
@@ -86,7 +86,7 @@ async def idle_rank_cpu(eng: Engine, seconds: float = 2.0) -> float:
 
 
 async def with_engine(settings: Settings, rounds: int, fn, *args, idle: list | None = None) -> list[float]:
-    eng = Engine(settings)
+    eng = Engine(settings.engine_config())
     await eng.start()
     try:
         got = [await fn(eng, *args) for _ in range(rounds)]

@@ -77,7 +77,7 @@ class KVFleetEngine:
         from engine.core import Engine  # imported here: importing `deployment` must stay light
 
         self._settings = settings
-        self._engine = Engine(settings)
+        self._engine = Engine(settings.engine_config())
         try:
             await self._engine.start()
         except BaseException:

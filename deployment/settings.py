@@ -4,17 +4,21 @@ Read from `KVFLEET_*` environment variables, or from `serve run deployment:build
 (which take precedence). The defaults run on a CPU-only laptop: SmolLM2-135M-Instruct (a GGUF file a pip
 package ships), dp=2 x tp=1 ranks (so the cluster merge is real from the first request) and a KV cache small
 enough that ordinary traffic shows reuse, eviction and offload to the host tier. `model=random` is the
-built-in random-weight model that tests use. Nothing here reads the model: the engine checks it at start.
+built-in random-weight model that tests use. Nothing here reads the model: the app's builder checks it
+(deployment/ingress.py). `Settings.engine_config()` narrows them to the engine's typed `EngineConfig`.
 """
 
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-# kept in step with workers.loader (not imported: importing deployment must not import torch)
-RANDOM_MODEL = "random"
+from engine.config import EngineConfig, RoutingConfig
+from workers.config import CacheSettings
+from workers.models import RANDOM_MODEL
+
 RANDOM_SERVED_NAME = "kvfleet-tiny"
 
 
@@ -121,6 +125,16 @@ class Settings(BaseSettings):
         load_keys(self.api_keys.get_secret_value())
         load_keys(self.metrics_api_key.get_secret_value())
         return self
+
+
+    def engine_config(self) -> EngineConfig:
+        """What the engine reads of these settings, typed and frozen (built once, in the engine's replica)."""
+        cache = CacheSettings(**{f.name: getattr(self, f.name) for f in fields(CacheSettings)})
+        routing = RoutingConfig(self.routing, self.routing_primary_weight, self.routing_host_weight,
+                                self.routing_load_weight, self.routing_free_weight, self.kv_events,
+                                self.kv_events_buffer)
+        same = {f.name: getattr(self, f.name) for f in fields(EngineConfig) if f.name not in ("cache", "routing")}
+        return EngineConfig(**same, cache=cache, routing=routing)
 
 
 def settings_table_markdown() -> str:

@@ -27,6 +27,7 @@ from typing import Any
 
 from aggregator.delta import Iteration
 from engine import ranks
+from engine.config import EngineConfig
 from engine.errors import (
     RETRY_AFTER_DOWN_S,
     EngineError,
@@ -61,15 +62,15 @@ NO_PROGRESS_PAUSE_S = (0.001, 0.25)
 class Engine:
     """Owns the rank actors and the aggregator handle; `generate` streams one request's tokens."""
 
-    def __init__(self, settings: Any) -> None:
-        self.settings = settings
-        check_model(settings.model or None, settings.tp)  # a bad file or tp fails here, before any rank exists
-        self.tokenizer = load_tokenizer(settings.model or None)
-        self.model_name = settings.served_model_name
-        self.max_seq_len = settings.max_seq_len
-        self.world_size = settings.dp * settings.tp
-        self.max_request_tokens = settings.max_seq_len
-        self._limits = [settings.max_seq_len] * settings.dp  # per dp group: the longest request its ranks hold
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = c = config
+        check_model(c.model or None, c.tp)  # a bad file or tp fails here, before any rank exists
+        self.tokenizer = load_tokenizer(c.model or None)
+        self.model_name = c.served_model_name
+        self.max_seq_len = c.cache.max_seq_len
+        self.world_size = c.world_size
+        self.max_request_tokens = self.max_seq_len
+        self._limits = [self.max_seq_len] * c.dp  # per dp group: the longest request its ranks hold
         self.vocab_size = 0
         self.aggregator = None
         self.stats: StatsChannel | None = None
@@ -81,11 +82,11 @@ class Engine:
         self.preemptions = 0
         self.error: str | None = None
         self._pgs: list = []
-        self._groups = [Group() for _ in range(settings.dp)]
-        self.router = Router(settings, settings.dp)
+        self._groups = [Group() for _ in range(c.dp)]
+        self.router = Router(c.routing, c.cache.tokens_per_block, c.dp)
         self._requests: dict[str, Request] = {}
         # while no dp group is up; one that expires fails with a 503 (recovery.py) and is forgotten here
-        self._orphans = Orphans(settings.placement_timeout_s, lambda req: self._requests.pop(req.id, None))
+        self._orphans = Orphans(c.placement_timeout_s, lambda req: self._requests.pop(req.id, None))
         self._restarting: dict[int, asyncio.Task] = {}
         self._closing = False
         self._device = self._dtype = ""
@@ -99,7 +100,7 @@ class Engine:
     async def start(self) -> None:
         from aggregator import get_or_create_aggregator
 
-        s = self.settings
+        s = self.config
         device = self._device = ranks.device_of(s)
         dtype = self._dtype = ranks.dtype_of(s, device)
         # detached: the aggregator (and the cluster's cumulative statistics) outlive this engine's replica
@@ -124,7 +125,7 @@ class Engine:
         self.transport = make_transport(s.step_transport, self.workers)
         self.router.reuse_table = self.rank_info[0]["reuse_table"]
         self.router.index.max_blocks = [info["kv_slots"] for info in self.rank_info[::s.tp]]
-        if s.enable_stats:
+        if s.cache.enable_stats:
             self.stats = StatsChannel(self.aggregator)
             self.iteration = first_iteration(await self.stats.register([info["layout"] for info in self.rank_info]))
         await asyncio.gather(*[ranks.warm_up(group.workers) for group in launched])
@@ -134,7 +135,7 @@ class Engine:
 
     async def _launch(self, dp: int) -> ranks.Launched:
         """Start and set up dp group `dp` (tests replace this and `_stop` with in-process ranks)."""
-        return await ranks.launch_group(self.settings, dp, self._device, self._dtype)
+        return await ranks.launch_group(self.config, dp, self._device, self._dtype)
 
     def _stop(self, workers: list, pgs: list) -> None:
         ranks.stop(workers, pgs)
@@ -207,7 +208,7 @@ class Engine:
         if rid in self._requests:
             raise RequestError(f"request id {rid!r} is already running", "duplicate_request_id")
         waiting = len(self._orphans) + sum(len(g.waiting) for g in self._groups)
-        if waiting >= self.settings.max_waiting_requests:
+        if waiting >= self.config.max_waiting_requests:
             raise Overloaded(f"{waiting} requests are waiting already (max_waiting_requests); retry later")
         if params.seed is None and not params.greedy:  # one seed for every tp rank of the group
             params = dataclasses.replace(params, seed=random.getrandbits(63))
@@ -299,14 +300,14 @@ class Engine:
         pause = 0.0
         while True:
             await self._wake.wait()
-            plans = [None if g.down else plan_group(g, self.iteration, self.settings) for g in self._groups]
+            plans = [None if g.down else plan_group(g, self.iteration, self.config) for g in self._groups]
             if not any(p is not None and (p.new or p.work or p.close) for p in plans):
                 self._wake.clear()
                 continue
             self.router.plan(plans)
             self._changed.clear()
             results, deltas, missing = await step_all(self.transport, len(self.workers), plans,
-                                                            self.settings.tp)
+                                                            self.config.tp)
             self._completed = 0
             progress = False
             for dp, res in enumerate(results):
@@ -318,7 +319,7 @@ class Engine:
                     self.router.observe(dp, res, self._requests)
                     self._apply(self._groups[dp], res)
             if self.stats is not None:
-                engine = figures(self._groups, plans, self.settings, self._completed)
+                engine = figures(self._groups, plans, self.config, self._completed)
                 self.stats.put(Iteration(self.iteration, time.time(), deltas, missing, engine,
                                          self.router.take_record()))
             self.iteration += 1
@@ -337,7 +338,7 @@ class Engine:
         """A dead rank takes its dp group down (the others go on): its requests are re-queued and the group
         is restarted. Any other step error fails the group's running requests, which are closed on every
         rank, and the group steps on (its KV index resyncs: that step's events are lost)."""
-        g, tp = self._groups[dp], self.settings.tp
+        g, tp = self._groups[dp], self.config.tp
         why = one_line(failure.error)
         if not failure.rank_gone:
             log.error("dp group %d: step of rank %d raised, failing %d running requests: %s", dp, failure.rank,
@@ -360,7 +361,7 @@ class Engine:
         for req in reversed(moved):  # oldest first, ahead of what was waiting there (or orphans, if none is up)
             req.requeue()
             self._replace(req, front=True)
-        if g.failures > self.settings.max_group_restarts:
+        if g.failures > self.config.max_group_restarts:
             self._stays_down(dp)  # the last group to stay down fails every request, these included, once
         else:
             task = self._restarting[dp] = asyncio.get_running_loop().create_task(self._restart(dp))
@@ -378,8 +379,8 @@ class Engine:
 
     async def _restart(self, dp: int) -> None:
         """Bring a down group back (workers/recovery.py), then into service; or it stays down."""
-        g, tp = self._groups[dp], self.settings.tp
-        launched = await restart_group(dp, g, self.settings, self._launch, self._prepare, self._stop)
+        g, tp = self._groups[dp], self.config.tp
+        launched = await restart_group(dp, g, self.config, self._launch, self._prepare, self._stop)
         if launched is None:
             self._stays_down(dp)
             return

@@ -33,6 +33,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from engine.config import RoutingConfig
 from engine.kv_index import KVIndex
 from engine.kv_stream import KVEventStream
 from kvcache.events import prompt_keys, root_key
@@ -66,13 +67,12 @@ def salt_label(salt: Any) -> str:
 
 
 class Router:
-    def __init__(self, settings: Any, num_groups: int) -> None:
-        s = settings
-        self.policy = s.routing
-        self.B = s.tokens_per_block
-        self.weights = (s.routing_primary_weight, s.routing_host_weight, s.routing_load_weight,
-                        s.routing_free_weight)
-        self.always_events = s.routing == "kv" or s.kv_events
+    def __init__(self, config: RoutingConfig, tokens_per_block: int, num_groups: int) -> None:
+        s = config
+        self.policy = s.policy
+        self.B = tokens_per_block
+        self.weights = (s.primary_weight, s.host_weight, s.load_weight, s.free_weight)
+        self.always_events = s.policy == "kv" or s.kv_events
         self.index = KVIndex(num_groups, 1 << 30)
         self.stream = KVEventStream(s.kv_events_buffer, self.B, self.index, buffer_always=s.kv_events)
         self.free = [0] * num_groups  # each group's free primary blocks, from its last step

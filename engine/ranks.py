@@ -21,8 +21,8 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from engine.config import EngineConfig
 from engine.errors import EngineError, one_line
-from workers.config import CacheSettings
 from workers.sampling_params import SamplingParams
 from workers.step import NewRequest, RankSpec, StepPlan, StepResult, Work
 
@@ -63,19 +63,20 @@ def backoff_s(failures: int, first_s: float) -> float:
     return min(BACKOFF_MAX_S, first_s * 2 ** max(0, failures - 1))
 
 
-def device_of(settings: Any) -> str:
-    if settings.device != "auto":
-        return settings.device
+def device_of(config: EngineConfig) -> str:
+    if config.device != "auto":
+        return config.device
     return "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
 
 
-def dtype_of(settings: Any, device: str) -> str:
-    return settings.dtype if settings.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+def dtype_of(config: EngineConfig, device: str) -> str:
+    return config.dtype if config.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
 
 
-async def start_group(settings: Any, dp: int, device: str, dtype: str) -> tuple[Any, list[ray.actor.ActorHandle]]:
+async def start_group(config: EngineConfig, dp: int, device: str,
+                      dtype: str) -> tuple[Any, list[ray.actor.ActorHandle]]:
     """The placement group and the (not yet set up) rank actors of dp group `dp`."""
-    s = settings
+    s = config
     bundle = {"CPU": s.num_cpus_per_rank, **({"GPU": 1} if device == "cuda" else {})}
     pg = placement_group([bundle] * s.tp, strategy="STRICT_PACK", name=pg_name(s.engine_id, dp))
     try:
@@ -86,14 +87,13 @@ async def start_group(settings: Any, dp: int, device: str, dtype: str) -> tuple[
     from workers.worker import RankWorker  # torch: ray.remote needs the class, so only where ranks start
 
     actor_cls = ray.remote(RankWorker)
-    cache = CacheSettings.of(s)
     workers = []
     launch = uuid.uuid4().hex[:8]  # names stay unique while a killed predecessor's name is being released
     for tp_rank in range(s.tp):
         rank = dp * s.tp + tp_rank
         spec = RankSpec(
             engine_id=s.engine_id, rank=rank, dp=s.dp, tp=s.tp, model=s.model, device=device, dtype=dtype,
-            seed=s.seed, cache=cache, max_num_batched_tokens=s.max_num_batched_tokens,
+            seed=s.seed, cache=s.cache, max_num_batched_tokens=s.max_num_batched_tokens,
             num_threads=max(1, int(s.num_cpus_per_rank)))
         strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=tp_rank)
         workers.append(actor_cls.options(
@@ -109,9 +109,9 @@ async def setup_group(workers: list[ray.actor.ActorHandle]) -> list[dict[str, An
     return await asyncio.wait_for(asyncio.gather(*setups), SETUP_TIMEOUT_S)
 
 
-async def launch_group(settings: Any, dp: int, device: str, dtype: str) -> Launched:
+async def launch_group(config: EngineConfig, dp: int, device: str, dtype: str) -> Launched:
     """Start dp group `dp` and set it up; on any failure, what was started is removed again."""
-    pg, workers = await start_group(settings, dp, device, dtype)
+    pg, workers = await start_group(config, dp, device, dtype)
     try:
         infos = await setup_group(workers)
     except BaseException:

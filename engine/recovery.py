@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from engine import ranks
+from engine.config import EngineConfig
 from engine.errors import RETRY_AFTER_DOWN_S, EngineError, one_line
 from engine.scheduler import Group, Request
 
@@ -61,14 +61,14 @@ class Orphans:
                 "group is down or restarting", RETRY_AFTER_DOWN_S))
 
 
-async def restart_group(dp: int, g: Group, settings: Any, launch: Callable[[int], Awaitable[ranks.Launched]],
+async def restart_group(dp: int, g: Group, config: EngineConfig, launch: Callable[[int], Awaitable[ranks.Launched]],
                         prepare: Callable[[ranks.Launched], Awaitable[None]],
                         stop: Callable[[list, list], None] = ranks.stop) -> ranks.Launched | None:
     """Restart down group `dp` until it is up: after a backoff, `launch` new rank actors, then `prepare` them
     (warm-up, stats registration). Each failed attempt counts as one more failure in a row; the group's
     launched ranks, or None once it has failed more than `max_group_restarts` times in a row."""
-    while g.failures <= settings.max_group_restarts:
-        pause = ranks.backoff_s(g.failures, settings.restart_backoff_s)
+    while g.failures <= config.max_group_restarts:
+        pause = ranks.backoff_s(g.failures, config.restart_backoff_s)
         await asyncio.sleep(pause)  # the restart policy's backoff: there is nothing to wait for but time
         launched = None
         try:

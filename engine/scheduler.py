@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.config import EngineConfig
 from engine.errors import RequestFailed
 from workers.sampling_params import SamplingParams
 from workers.step import NewRequest, StepPlan, StepResult, Work
@@ -125,7 +126,7 @@ def apply_result(g: Group, res: StepResult, requests: dict[str, Request],
     return out
 
 
-def plan_group(g: Group, iteration: int, s: Any) -> StepPlan:
+def plan_group(g: Group, iteration: int, s: EngineConfig) -> StepPlan:
     """One group's plan: new requests while there is room, then a token budget: decodes first, then prefill
     chunks, oldest first."""
     plan = StepPlan(iteration, close=g.to_close)
@@ -160,7 +161,7 @@ def plan_group(g: Group, iteration: int, s: Any) -> StepPlan:
     return plan
 
 
-def figures(groups: list[Group], plans: list[StepPlan | None], s: Any, completed: int) -> dict[str, float]:
+def figures(groups: list[Group], plans: list[StepPlan | None], s: EngineConfig, completed: int) -> dict[str, float]:
     """The engine's figures of the iteration just stepped (aggregator.delta.ENGINE_FIGURES): requests, and the
     batch limits of the configuration (static) and of the groups that are up (runtime)."""
     up = sum(1 for g in groups if g.down is None)

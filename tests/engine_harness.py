@@ -7,10 +7,10 @@ import torch
 
 from deployment.settings import Settings
 from engine import ranks
+from engine.config import EngineConfig
 from engine.core import Engine
 from engine.transport import make_transport
 from kvcache.events import reuse_table
-from workers.config import CacheSettings
 from workers.loader import load_model
 from workers.parallel import TPGroup
 from workers.step import RankSpec
@@ -35,13 +35,12 @@ class LocalRank:
         self.step = types.SimpleNamespace(remote=step)
 
 
-def make_rank(s: Settings, rank: int) -> RankWorker:
-    spec = RankSpec(engine_id=s.engine_id, rank=rank, dp=s.dp, tp=s.tp, model=s.model, device="cpu",
-                    dtype="float32", seed=s.seed, cache=CacheSettings.of(s),
-                    max_num_batched_tokens=s.max_num_batched_tokens)
+def make_rank(c: EngineConfig, rank: int) -> RankWorker:
+    spec = RankSpec(engine_id=c.engine_id, rank=rank, dp=c.dp, tp=c.tp, model=c.model, device="cpu",
+                    dtype="float32", seed=c.seed, cache=c.cache, max_num_batched_tokens=c.max_num_batched_tokens)
     w = RankWorker(spec)
     if "random" not in _MODEL:
-        _MODEL["random"] = load_model(None, seed=s.seed, max_seq_len=s.max_seq_len)
+        _MODEL["random"] = load_model(None, seed=c.seed, max_seq_len=c.cache.max_seq_len)
     w.model, cfg = _MODEL["random"]
     w.kv = build_kv_cache(spec, cfg, "cpu", torch.float32, TPGroup(spec.tp_rank, 1, None, "", 0))
     w.layout = layout_of(w.kv, spec, w.incarnation)
@@ -59,7 +58,7 @@ async def make_engine(**overrides) -> Engine:
     """An engine stepping in the running loop; `engine.ranks` are the LocalRanks, `engine.rank_workers` theirs."""
     base = dict(model="random", engine_id="local", dp=1, tp=1, device="cpu", max_seq_len=256, kv_cache_bytes=512 << 10,
                 host_cache_bytes=0, max_num_batched_tokens=48, seed=0, tokens_per_block=16, restart_backoff_s=0)
-    s = Settings(**{**base, **overrides})
+    s = Settings(**{**base, **overrides}).engine_config()
     eng = Engine(s)
     eng.rank_workers = [make_rank(s, r) for r in range(s.dp * s.tp)]
     eng.workers = [LocalRank(w) for w in eng.rank_workers]

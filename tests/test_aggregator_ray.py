@@ -58,7 +58,7 @@ def test_a_rank_killed_mid_generation_is_restarted_and_its_requests_complete(ray
     async def main():
         eng = Engine(Settings(model="random", engine_id=f"t-rank-kill-{transport}", dp=2, tp=1, device="cpu",
                               max_seq_len=128, kv_cache_bytes=256 << 10, host_cache_bytes=0, restart_backoff_s=0.1,
-                              step_transport=transport))
+                              step_transport=transport).engine_config())
         await eng.start()
         try:
             params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

@@ -76,7 +76,7 @@ def engine(ray_cluster, request):
 
 
 async def _start(settings):
-    eng = Engine(settings)
+    eng = Engine(settings.engine_config())
     await eng.start()
     return eng
 
@@ -195,7 +195,7 @@ def test_an_engine_refuses_an_aggregator_of_another_shape(ray_cluster):
     from aggregator import get_or_create_aggregator
 
     agg = get_or_create_aggregator("engine-shape", world_size=3, tp=1)
-    eng = Engine(Settings(**{**SETTINGS, "engine_id": "engine-shape"}))
+    eng = Engine(Settings(**{**SETTINGS, "engine_id": "engine-shape"}).engine_config())
     with pytest.raises(EngineError, match="world_size 3"):
         asyncio.run(eng.start())
     assert eng.workers == [], "nothing was started"

@@ -3,6 +3,7 @@ run without the fault, the group is restarted and serves again, or stays down af
 request nobody can take gets its 503 at its deadline; a full waiting queue refuses with 429."""
 
 import asyncio
+import dataclasses
 import types
 
 import pytest
@@ -218,7 +219,7 @@ def test_a_request_a_smaller_restarted_cache_can_never_hold_fails_instead_of_wai
 
         eng = await make_engine(dp=1)
         before = eng.max_model_len
-        small = eng.settings.model_copy(update={"kv_cache_bytes": 96 << 10})
+        small = dataclasses.replace(eng.config, cache=dataclasses.replace(eng.config.cache, kv_cache_bytes=96 << 10))
 
         async def launch(dp):
             w = h.make_rank(small, dp)

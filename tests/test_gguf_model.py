@@ -112,9 +112,9 @@ def test_engine_rejects_a_bad_model_before_any_rank(tmp_path):
     path = tmp_path / "broken.gguf"
     path.write_bytes(b"GGUF\x03\x00\x00\x00")
     with pytest.raises(GGUFError, match="broken.gguf.*corrupt or truncated"):
-        Engine(Settings(model=str(path), dp=1))
+        Engine(Settings(model=str(path), dp=1).engine_config())
     with pytest.raises(ValueError, match=r"smollm2-135m-instruct.*num_kv_heads \(3\) is not divisible by tp_size"):
-        Engine(Settings(dp=1, tp=2))
+        Engine(Settings(dp=1, tp=2).engine_config())
     assert check_model("smollm2-135m-instruct", 3).num_heads == 9  # tp 1 or 3 divide its 9 / 3 heads
 
 

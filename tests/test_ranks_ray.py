@@ -17,7 +17,7 @@ def test_a_launch_cancelled_while_its_group_waits_for_placement_removes_the_grou
     name = ranks.pg_name("unplaceable", 0)
 
     async def main():
-        launch = asyncio.ensure_future(ranks.start_group(s, 0, "cpu", "float32"))
+        launch = asyncio.ensure_future(ranks.start_group(s.engine_config(), 0, "cpu", "float32"))
         await asyncio.sleep(0)  # the launch has asked Ray for its group (64 CPUs: it stays pending) and waits
         assert [i["state"] for i in placement_group_table().values() if i.get("name") == name] == ["PENDING"]
         launch.cancel()

@@ -23,7 +23,7 @@ GUARD_S = 120  # a hang fails the test instead of stalling the suite; not a spee
 
 
 async def start_ranks(s: Settings, dp: int) -> tuple:
-    pg, workers = await ranks.start_group(s, dp, "cpu", "float32")
+    pg, workers = await ranks.start_group(s.engine_config(), dp, "cpu", "float32")
     await ranks.setup_group(workers)
     return pg, workers
 

@@ -11,7 +11,7 @@ A window of `w` tokens means a query at position `i` attends to keys `j` with `i
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -243,8 +243,3 @@ class CacheSettings:
     enable_block_reuse: bool = True
     enable_partial_reuse: bool = True
     enable_stats: bool = True
-
-    @classmethod
-    def of(cls, settings: Any) -> CacheSettings:
-        """The cache part of anything with these attribute names (deployment.Settings)."""
-        return cls(**{f.name: getattr(settings, f.name) for f in fields(cls)})

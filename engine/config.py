@@ -1,0 +1,49 @@
+"""`EngineConfig`: what the engine replica's loop reads of the settings, typed and frozen. Built once from the
+user's `deployment.settings.Settings` (`Settings.engine_config()`), so the engine depends on no settings
+framework and every field it reads is named here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from workers.config import CacheSettings
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """Placement across dp groups (engine/placement.py): the policy, the `kv` score's weights, KV events."""
+
+    policy: str = "kv"  # kv | least_loaded | round_robin
+    primary_weight: float = 1.0
+    host_weight: float = 0.5
+    load_weight: float = 0.5
+    free_weight: float = 1.0
+    kv_events: bool = False  # record KV events for /kv_events even with no listener and a policy other than kv
+    kv_events_buffer: int = 10_000
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    engine_id: str = "engine-0"
+    model: str = "random"  # a model setting (workers/models.py)
+    served_model_name: str = "kvfleet-tiny"
+    dp: int = 1
+    tp: int = 1
+    device: str = "auto"  # auto = cuda when Ray sees GPUs
+    dtype: str = "auto"
+    seed: int = 0
+    cache: CacheSettings = field(default_factory=CacheSettings)
+    max_num_batched_tokens: int = 256
+    max_num_seqs: int = 32
+    num_cpus_per_rank: float = 0.5
+    stats_buffer_size: int = 10_000
+    max_waiting_requests: int = 256
+    placement_timeout_s: float = 30.0
+    max_group_restarts: int = 3
+    restart_backoff_s: float = 0.5
+    step_transport: str = "actor_calls"
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp
