@@ -8,21 +8,39 @@ delta pickles as one small buffer. The layout says where each part sits in the r
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from kvcache.stats import COUNTER_KEYS, NUM_COUNTERS
+from kvcache.stats import COUNTER_KEYS, KV_CACHE_STATS_KEYS, NUM_COUNTERS, camel
 
 NUM_GAUGES = 14  # primary then secondary: max, free, used, evictable, peak free, peak used, peak evictable
 # cumulative kvCacheStats as ints (the hit rate is derived)
-KV_STATS = ("maxNumBlocks", "freeNumBlocks", "usedNumBlocks", "tokensPerBlock", "allocTotalBlocks",
-            "allocNewBlocks", "reusedBlocks", "missedBlocks")
-# the rank's own figures for the iteration (TensorRT-LLM iteration-stats names where one exists)
-SCHED = ("stepUs", "numScheduledRequests", "numContextRequests", "numGenRequests", "numPausedRequests",
-         "numCtxTokens", "numGenTokens", "iterSuspendedRequests", "iterResumedRequests",
-         "iterCachedTokensLevel0", "iterCachedTokensLevel1",
-         "gpuMemUsage", "cpuMemUsage", "pinnedMemUsage")
+KV_STATS = tuple(k for k in KV_CACHE_STATS_KEYS if k != "cacheHitRate")
+
+
+@dataclass(slots=True)
+class StepFigures:
+    """A rank's own figures for one iteration, named in records as TensorRT-LLM's iteration stats where one
+    exists (`SCHED`: the camelCase names, in row order)."""
+
+    step_us: int = 0
+    num_scheduled_requests: int = 0
+    num_context_requests: int = 0
+    num_gen_requests: int = 0
+    num_paused_requests: int = 0
+    num_ctx_tokens: int = 0
+    num_gen_tokens: int = 0
+    iter_suspended_requests: int = 0
+    iter_resumed_requests: int = 0
+    iter_cached_tokens_level0: int = 0  # prompt tokens new requests found cached on the primary tier
+    iter_cached_tokens_level1: int = 0  # ... on the host tier
+    gpu_mem_usage: int = 0
+    cpu_mem_usage: int = 0
+    pinned_mem_usage: int = 0
+
+
+SCHED = tuple(camel(f.name) for f in fields(StepFigures))
 KV_STATS_INDEX = {k: i for i, k in enumerate(KV_STATS)}
 SCHED_INDEX = {k: i for i, k in enumerate(SCHED)}
 assert len(COUNTER_KEYS) == NUM_COUNTERS

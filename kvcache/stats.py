@@ -50,8 +50,6 @@ LIFE_CYCLE_COUNTERS = (REUSED, FULL_REUSED, PARTIAL_REUSED, MISSED)
 GAUGE_NAMES = ("MaxNumBlocks", "FreeNumBlocks", "UsedNumBlocks", "EvictableNumBlocks", "PeakFreeNumBlocks",
                "PeakUsedNumBlocks", "PeakEvictableNumBlocks")
 GAUGE_KEYS = tuple(f"{tier}{name}" for tier in ("primary", "secondary") for name in GAUGE_NAMES)
-KV_CACHE_STATS_KEYS = ("maxNumBlocks", "freeNumBlocks", "usedNumBlocks", "tokensPerBlock", "allocTotalBlocks",
-                       "allocNewBlocks", "reusedBlocks", "missedBlocks", "cacheHitRate")
 
 
 def hit_rate(reused: int, missed: int) -> float:
@@ -60,7 +58,7 @@ def hit_rate(reused: int, missed: int) -> float:
     return reused / total if reused and total else 0.0
 
 
-def _camel(name: str) -> str:
+def camel(name: str) -> str:
     head, *rest = name.split("_")
     return head + "".join(part.title() for part in rest)
 
@@ -126,7 +124,7 @@ class KVCacheStatsDelta:
         return not any(self.astuple())
 
     def to_dict(self) -> dict[str, int]:
-        return {_camel(f.name): getattr(self, f.name) for f in fields(self)}
+        return {camel(f.name): getattr(self, f.name) for f in fields(self)}
 
 
 EMPTY_DELTA = KVCacheStatsDelta()
@@ -150,9 +148,13 @@ class KvCacheStats:
         return hit_rate(self.reused_blocks, self.missed_blocks)
 
     def to_dict(self) -> dict:
-        out = {_camel(f.name): getattr(self, f.name) for f in fields(self)}
+        out = {camel(f.name): getattr(self, f.name) for f in fields(self)}
         out["cacheHitRate"] = self.cache_hit_rate
         return out
+
+
+# the 9 camelCase keys of `kvCacheStats`, in order (the fields above, then the derived hit rate)
+KV_CACHE_STATS_KEYS = tuple(camel(f.name) for f in fields(KvCacheStats)) + ("cacheHitRate",)
 
 
 @dataclass(frozen=True)

@@ -14,12 +14,13 @@ import logging
 import os
 import time
 import uuid
+from dataclasses import astuple
 from typing import Any
 
 import ray
 import torch
 
-from aggregator.delta import RankDelta, RankLayout, pack
+from aggregator.delta import RankDelta, RankLayout, StepFigures, pack
 from kvcache import KVCacheManager
 from kvcache.events import reuse_table
 from workers.loader import kv_cache_config, load_model
@@ -118,24 +119,50 @@ class RankWorker:
 
     # ---- the step -------------------------------------------------------------------------------------------
     def step(self, plan: StepPlan) -> StepResult:
-        """One iteration. A request that raises (bad input, a sampler error) fails alone: it is dropped here
-        and named in `failed`, and the step goes on for the others."""
+        """One iteration: close, open the new requests, make room, forward, sample, commit, stats. A request
+        that raises (bad input, a sampler error) fails alone: it is dropped here and named in `failed`, and the
+        step goes on for the others."""
         t0 = time.perf_counter()
         failed: dict[str, str] = {}
-        for rid in plan.close:
-            req = self.reqs.pop(rid, None)
-            if req is not None and req.kv is not None:
-                req.kv.close()
+        self._close(plan.close)
         recording = plan.record and self.spec.cache.enable_stats
         events = plan.kv_events and self.spec.tp_rank == 0
         self.kv.set_kv_events(events, plan.kv_resync)
         # suspended before this step: those that run in it are resumed (iterResumedRequests); stats only
-        was_suspended = ({rid for rid, r in self.reqs.items() if r.kv is not None and not r.kv.is_active}
-                         if recording else set())
-        reused = {}
-        first_reuse: dict[str, int] = {}
-        cached = [0, 0]  # tokens the new requests found in the prefix cache, on the primary / the host tier
-        for new in plan.new:
+        was_suspended = self._suspended() if recording else set()
+        reused, cached = self._open_new(plan.new, failed)
+        runs, deferred, recomputed, suspended = self._make_room(self._scheduled(plan.work))
+        logits = self._forward(runs, failed)
+        if logits is None:
+            runs = []
+        ran, first_reuse = self._commit(runs, self._sample(runs, logits, failed), failed)
+        step_s = time.perf_counter() - t0
+        out = StepResult(plan.iteration, ran, deferred, recomputed, suspended, reused, step_s, failed,
+                         first_reuse=first_reuse)
+        if recording:
+            generating = {w.request_id for w in plan.work if w.append is not None}
+            out.delta = self._delta(self._figures(step_s, runs, generating, deferred, suspended, was_suspended,
+                                                  cached))
+        if events:
+            out.kv_events = self.kv.kv_events.drain()
+            out.free_blocks = self.kv.get_kv_cache_stats().free_num_blocks
+        return out
+
+    def _close(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            req = self.reqs.pop(rid, None)
+            if req is not None and req.kv is not None:
+                req.kv.close()
+
+    def _suspended(self) -> set[str]:
+        return {rid for rid, r in self.reqs.items() if r.kv is not None and not r.kv.is_active}
+
+    def _open_new(self, new_requests: list[NewRequest], failed: dict[str, str]) -> tuple[dict[str, int], list[int]]:
+        """Create the new requests' caches: (tokens each reused, tokens all found cached on the primary / the
+        host tier)."""
+        reused: dict[str, int] = {}
+        cached = [0, 0]
+        for new in new_requests:
             req = self.reqs[new.request_id] = _Req(new, self.device)
             try:
                 self._open(req)
@@ -145,50 +172,62 @@ class RankWorker:
             reused[req.id] = req.kv.num_reused_tokens
             for level, tokens in enumerate([] if new.warmup else req.kv.cached_tokens_by_level):
                 cached[level] += tokens
-        order = [w for w in plan.work if w.request_id in self.reqs]
+        return reused, cached
+
+    def _scheduled(self, work: list[Work]) -> list[Work]:
+        """The plan's work on requests this rank holds, in priority order, with last step's sampled tokens."""
+        order = [w for w in work if w.request_id in self.reqs]
         for w in order:
             if w.append is not None:
                 self.reqs[w.request_id].tokens.append(w.append)
-        runs, deferred, recomputed, suspended = self._make_room(order)
-        ran: dict[str, tuple[int, int | None]] = {}
-        if runs:
-            try:
-                seqs = [SeqInput(tokens, req.kv.history_length, req.kv) for req, tokens in runs]
-                logits = self.model(seqs, self.kv)
-            except Exception as e:  # no way to tell whose input broke the batch: fail what ran in it
-                for req, _ in runs:
-                    self._fail(req, e, failed)
-                runs = []
-            sampled = self._sample(runs, logits, failed) if runs else {}
-            for i, (req, tokens) in enumerate(runs):
-                if req.id in failed:
-                    continue
-                req.kv.commit(tokens)
-                committed = req.kv.commit_pending_stats()
-                if req.first:
-                    req.first = False
-                    first_reuse[req.id] = committed.reused_blocks
-                ran[req.id] = (req.kv.history_length, sampled.get(i))
-        step_s = time.perf_counter() - t0
-        delta = None
-        if recording:
-            gen = {w.request_id for w in plan.work if w.append is not None}
-            ctx_tokens = sum(len(tokens) for req, tokens in runs if req.id not in gen)
-            n_gen = sum(1 for req, _ in runs if req.id in gen)
-            sched = [int(step_s * 1e6), len(runs), len(runs) - n_gen, n_gen, len(deferred) + len(suspended),
-                     ctx_tokens, n_gen, len(suspended), sum(1 for req, _ in runs if req.id in was_suspended),
-                     *cached, *self._memory()]
-            delta = self._delta(sched)
-        out = StepResult(plan.iteration, ran, deferred, recomputed, suspended, reused, step_s, failed, delta,
-                         first_reuse=first_reuse)
-        if events:
-            out.kv_events = self.kv.kv_events.drain()
-            out.free_blocks = self.kv.get_kv_cache_stats().free_num_blocks
-        return out
+        return order
 
-    def _sample(self, runs: list, logits: list[torch.Tensor], failed: dict[str, str]) -> dict[int, int]:
+    def _forward(self, runs: list, failed: dict[str, str]) -> list[torch.Tensor] | None:
+        """The batch's logits; None when it raised (no way to tell whose input broke it: all of it fails)."""
+        if not runs:
+            return None
+        try:
+            return self.model([SeqInput(tokens, req.kv.history_length, req.kv) for req, tokens in runs], self.kv)
+        except Exception as e:
+            for req, _ in runs:
+                self._fail(req, e, failed)
+            return None
+
+    def _commit(self, runs: list, sampled: dict[int, int],
+                failed: dict[str, str]) -> tuple[dict[str, tuple[int, int | None]], dict[str, int]]:
+        """Commit what ran and its pending stats: (request -> (history, sampled token)), and the reused blocks
+        of each request's first commit (predicted vs realized placement)."""
+        ran: dict[str, tuple[int, int | None]] = {}
+        first_reuse: dict[str, int] = {}
+        for i, (req, tokens) in enumerate(runs):
+            if req.id in failed:
+                continue
+            req.kv.commit(tokens)
+            committed = req.kv.commit_pending_stats()
+            if req.first:
+                req.first = False
+                first_reuse[req.id] = committed.reused_blocks
+            ran[req.id] = (req.kv.history_length, sampled.get(i))
+        return ran, first_reuse
+
+    def _figures(self, step_s: float, runs: list, generating: set[str], deferred: list[str], suspended: list[str],
+                 was_suspended: set[str], cached: list[int]) -> StepFigures:
+        n_gen = sum(1 for req, _ in runs if req.id in generating)
+        gpu, cpu, pinned = self._memory()
+        return StepFigures(
+            step_us=int(step_s * 1e6), num_scheduled_requests=len(runs), num_context_requests=len(runs) - n_gen,
+            num_gen_requests=n_gen, num_paused_requests=len(deferred) + len(suspended),
+            num_ctx_tokens=sum(len(tokens) for req, tokens in runs if req.id not in generating),
+            num_gen_tokens=n_gen, iter_suspended_requests=len(suspended),
+            iter_resumed_requests=sum(1 for req, _ in runs if req.id in was_suspended),
+            iter_cached_tokens_level0=cached[0], iter_cached_tokens_level1=cached[1],
+            gpu_mem_usage=gpu, cpu_mem_usage=cpu, pinned_mem_usage=pinned)
+
+    def _sample(self, runs: list, logits: list[torch.Tensor] | None, failed: dict[str, str]) -> dict[int, int]:
         """A token for each run whose prompt is now complete; a row the batched sampler cannot take is
         retried alone, so only the request that causes an error fails."""
+        if not runs:
+            return {}
         done = [i for i, (req, tokens) in enumerate(runs) if req.kv.history_length + len(tokens) == len(req.tokens)]
         if not done:
             return {}
@@ -271,22 +310,20 @@ class RankWorker:
         req.kv = None
         recomputed.append(req.id)
 
-    def _delta(self, sched: list[int]) -> RankDelta:
+    def _delta(self, figures: StepFigures) -> RankDelta:
         """Drain this iteration's KV cache stats into one packed row (O(life cycles + pool groups))."""
         report = self.kv.get_iteration_stats()
-        k = self.kv.get_kv_cache_stats()
-        kv_stats = [k.max_num_blocks, k.free_num_blocks, k.used_num_blocks, k.tokens_per_block, k.alloc_total_blocks,
-                    k.alloc_new_blocks, k.reused_blocks, k.missed_blocks]
         gauges = [pg.primary + pg.secondary for pg in report.pool_groups]
-        return RankDelta(self.spec.rank, self.incarnation, pack(self.layout, report.counters, gauges, kv_stats, sched))
+        row = pack(self.layout, report.counters, gauges, astuple(self.kv.get_kv_cache_stats()), astuple(figures))
+        return RankDelta(self.spec.rank, self.incarnation, row)
 
-    def _memory(self) -> list[int]:
+    def _memory(self) -> tuple[int, int, int]:
         """(GPU, CPU resident, pinned host) bytes this rank uses: TensorRT-LLM's gpu/cpu/pinnedMemUsage."""
         gpu = torch.cuda.memory_allocated() if self.device.startswith("cuda") else 0
         with open("/proc/self/statm", "rb") as f:
             rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
         pinned = self.kv.config.host_cache_bytes if torch.cuda.is_available() else 0
-        return [gpu, rss, pinned]
+        return gpu, rss, pinned
 
     def kv_snapshot(self) -> dict[str, Any]:
         """Gauges and cumulative counters of this rank's cache, for tests and debugging."""
