@@ -39,7 +39,7 @@ from typing import Any
 import ray
 
 from aggregator.assembler import Assembler
-from aggregator.buffer import RecordBuffer
+from aggregator.buffer import LongPoll, RecordBuffer
 from aggregator.delta import Iteration, RankDelta, RankLayout
 from aggregator.fields import POOL_VIEW, ROUTING_COUNTERS, VIEW_COUNTERS, WINDOW_VIEW
 from aggregator.metrics import render_metrics
@@ -108,18 +108,13 @@ class StatsAggregatorImpl:
         self._save_state()
         self._reported_stats = self.buffer.latest()["kvCacheStats"] if len(self.buffer) else \
             self.asm.cumulative.stats()
-        self._new_records: asyncio.Event | None = None
+        self._changes = LongPoll()  # readers waiting for new records
         self.subscribers = 0
         self.routing = dict.fromkeys(ROUTING_COUNTERS, 0)  # the records' `routing` sums, this epoch
         self.routed_per_group: dict[str, int] = {}
         self.started = time.time()
         log.info("stats aggregator %s up: epoch %d, world_size %d, tp %d, restored=%s", engine_id,
                  self.asm.epoch, world_size, tp, bool(saved))
-
-    def _event(self) -> asyncio.Event:
-        if self._new_records is None:
-            self._new_records = asyncio.Event()
-        return self._new_records
 
     def _save_tail(self, records: list[dict[str, Any]]) -> None:
         """Each new record into its slot of the checkpoint's tail ring (O(records emitted))."""
@@ -209,8 +204,7 @@ class StatsAggregatorImpl:
                 for dp, n in enumerate(routing.get("perGroupRequests", ())):
                     self.routed_per_group[str(dp)] = self.routed_per_group.get(str(dp), 0) + n
             self.buffer.append(rec)
-        ev, self._new_records = self._event(), asyncio.Event()
-        ev.set()
+        self._changes.notify()
 
     # ---------------------------------------------------------------- readers
 
@@ -232,18 +226,9 @@ class StatsAggregatorImpl:
 
     async def wait_records(self, since: int, timeout_s: float) -> list[dict]:
         """Long poll: records with iter > since as soon as there are any, [] after timeout_s."""
-        deadline = time.monotonic() + max(0.0, float(timeout_s))
         self.subscribers += 1
         try:
-            while True:
-                recs = self.buffer.since(since, WAIT_LIMIT)
-                left = deadline - time.monotonic()
-                if recs or left <= 0:
-                    return recs
-                try:
-                    await asyncio.wait_for(self._event().wait(), left)
-                except TimeoutError:
-                    pass
+            return await self._changes.wait(lambda: self.buffer.since(since, WAIT_LIMIT), float(timeout_s))
         finally:
             self.subscribers -= 1
 

@@ -1,8 +1,41 @@
-"""The cluster-record ring buffer: newest `capacity` records, read by iteration without removing anything."""
+"""The cluster-record ring buffer: newest `capacity` records, read by iteration without removing anything; and
+`LongPoll`, how its readers (and the mirror's and the KV event stream's) wait for what comes next."""
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class LongPoll:
+    """Wakes the long polls waiting on something when it changes: `notify()` after each change, and
+    `wait(poll, timeout_s)` answers `poll()` as soon as it has something, else its empty answer at the deadline.
+    One event per change, made only while someone waits (so it binds no loop before that)."""
+
+    def __init__(self) -> None:
+        self._changed: asyncio.Event | None = None
+
+    def notify(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    async def wait(self, poll: Callable[[], T], timeout_s: float) -> T:
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        while True:
+            got = poll()
+            left = deadline - time.monotonic()
+            if got or left <= 0:
+                return got
+            if self._changed is None:
+                self._changed = asyncio.Event()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), left)
 
 
 class RecordBuffer:

@@ -18,7 +18,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from aggregator.buffer import RecordBuffer
+from aggregator.buffer import LongPoll, RecordBuffer
 from deployment.sse import format_comment, format_event
 
 logger = logging.getLogger("kvfleet.deployment")
@@ -45,7 +45,7 @@ class StatsMirror:
         self._records = RecordBuffer(capacity)  # {"iter", "record", "json"}
         self._head = -1
         self._primed = asyncio.Event()  # set once the first call copied the aggregator's buffer
-        self._changed = asyncio.Event()
+        self._changes = LongPoll()  # readers waiting for new records
         self._pump: asyncio.Task | None = None
         self._metrics: tuple[float, str] = (float("-inf"), "")
         self.subscribers = 0
@@ -88,8 +88,7 @@ class StatsMirror:
                 self._records.append(_entry(r))
             if fresh:
                 self._head = fresh[-1]["iter"]
-                changed, self._changed = self._changed, asyncio.Event()
-                changed.set()
+                self._changes.notify()
 
     async def _ready(self) -> None:
         """Start following, and wait (a little) for the first copy, so a first reader sees what exists."""
@@ -100,16 +99,7 @@ class StatsMirror:
 
     async def _wait(self, since: int, timeout_s: float) -> list[dict]:
         await self._ready()
-        deadline = time.monotonic() + timeout_s
-        while True:
-            got = self._records.since(since, 1000)
-            left = deadline - time.monotonic()
-            if got or left <= 0:
-                return got
-            try:
-                await asyncio.wait_for(self._changed.wait(), left)
-            except TimeoutError:
-                pass
+        return await self._changes.wait(lambda: self._records.since(since, 1000), timeout_s)
 
     # ---- what the routes read
 

@@ -15,13 +15,13 @@ no tokens (`token_ids` is empty): a router keys by hash, and the tokens are the 
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import secrets
 import time
 from collections import deque
 from typing import Any
 
+from aggregator.buffer import LongPoll
 from kvcache.events import CLEARED, MOVED, REMOVED, STORED, KVEvent
 
 MEDIUM = ("GPU", "CPU")
@@ -59,7 +59,7 @@ class KVEventStream:
         self.buffer_always = buffer_always
         self.last_poll = float("-inf")
         self.exact_from = 0  # a client that has seen seqs up to at least this one can resume exactly
-        self._new: asyncio.Event | None = None
+        self._changes = LongPoll()  # long polls waiting for new events
 
     @property
     def listening(self) -> bool:
@@ -76,16 +76,11 @@ class KVEventStream:
             for out in vllm_event(ev, dp, self.block_size, ts):
                 self.seq += 1
                 self.buffer.append((self._id(self.seq), out))
-        self._wake()
+        self._changes.notify()
 
     def cleared(self, dp: int) -> None:
         """A group's blocks are gone (down, restarted, or events switched off)."""
         self.publish(dp, [KVEvent(CLEARED)])
-
-    def _wake(self) -> None:
-        if self._new is not None:
-            self._new.set()
-            self._new = None
 
     def since(self, after: str | None) -> list[tuple[str, dict]]:
         """(id, event) for every event after the one `after` names; a resync snapshot first unless that is an
@@ -123,15 +118,4 @@ class KVEventStream:
 
     async def wait(self, after: str | None, timeout_s: float) -> list[tuple[str, dict]]:
         """Long poll: the events after `after` (`since`) as soon as there are any, [] after timeout_s."""
-        deadline = time.monotonic() + max(0.0, timeout_s)
-        while True:
-            got = self.since(after)
-            left = deadline - time.monotonic()
-            if got or left <= 0:
-                return got
-            if self._new is None:
-                self._new = asyncio.Event()
-            try:
-                await asyncio.wait_for(self._new.wait(), left)
-            except TimeoutError:
-                pass
+        return await self._changes.wait(lambda: self.since(after), timeout_s)
