@@ -15,6 +15,7 @@ Modules, lowest first:
 - `scheduler`: a dp group's queues, the rule that plans its step, and how its result moves the requests on.
 - `kv_index`, `kv_stream`, `placement`: the engine's block index from the ranks' KV events, the /kv_events
   stream, and the router that places each request on a dp group (kv, least_loaded, round_robin).
+- `kv_publisher`: the same KV events over ZMQ in vLLM 0.33's wire format (PUB + replay socket per dp group).
 - `recovery`: a down dp group's restart with backoff, and the requests that wait while no group is up.
 - `engine`: `Engine`, the step loop over dp groups; admits and places requests, handles failed ranks.
 - `stats_channel`: the engine's end of the stats channel: iterations to the aggregator until acknowledged.

@@ -94,6 +94,7 @@ class Engine:
         from aggregator import get_or_create_aggregator
 
         s = self.settings
+        self.router.publisher.start()  # ZMQ KV events: a bad endpoint fails first, named
         device = self._device = ranks.device_of(s)
         dtype = self._dtype = ranks.dtype_of(s, device)
         # detached: the aggregator (and the cluster's cumulative statistics) outlive this engine's replica
@@ -151,6 +152,7 @@ class Engine:
             await self.stats.close()
         if self.transport is not None:
             await self.transport.close()
+        await asyncio.to_thread(self.router.publisher.close)  # sends what is queued, for up to 1 s
         self._stop(self.workers, self._pgs)
         self.workers, self._pgs = [], []
 

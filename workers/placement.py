@@ -36,6 +36,7 @@ from typing import Any
 from kvcache.events import prompt_keys, root_key
 
 from .kv_index import KVIndex
+from .kv_publisher import KVEventPublisher
 from .kv_stream import KVEventStream
 
 POLICIES = ("kv", "least_loaded", "round_robin")
@@ -73,9 +74,10 @@ class Router:
         self.B = s.tokens_per_block
         self.weights = (s.routing_primary_weight, s.routing_host_weight, s.routing_load_weight,
                         s.routing_free_weight)
-        self.always_events = s.routing == "kv" or s.kv_events
+        self.always_events = s.routing == "kv" or s.kv_events or s.kv_events_publisher == "zmq"
         self.index = KVIndex(num_groups, 1 << 30)
         self.stream = KVEventStream(s.kv_events_buffer, self.B, self.index, buffer_always=s.kv_events)
+        self.publisher = KVEventPublisher(s, num_groups, self.index, salt_label)  # ZMQ (workers/kv_publisher.py)
         self.free = [0] * num_groups  # each group's free primary blocks, from its last step
         self.reuse_table: list[int] | None = None  # kvcache.events.reuse_table of the ranks
         self._rr = 0
@@ -154,6 +156,7 @@ class Router:
         if res.kv_events:
             self.index.apply(dp, res.kv_events)
             self.stream.publish(dp, res.kv_events)
+            self.publisher.publish(dp, res.kv_events)
         for rid, realized in res.first_reuse.items():
             req = requests.get(rid)
             if req is not None and req.predicted >= 0:
@@ -165,6 +168,7 @@ class Router:
         rebuilds it, on the index and on the stream."""
         self.index.drop_group(dp)
         self.stream.cleared(dp)
+        self.publisher.cleared(dp)
 
     # ---- records ------------------------------------------------------------------------------------------
     def _count(self, req: Any, dp: int, realized: int) -> None:
