@@ -6,6 +6,7 @@ fills a gap from the replay socket and rebuilds the index, which must equal the 
 """
 
 import asyncio
+import importlib.util
 import json
 import queue
 import selectors
@@ -19,7 +20,7 @@ import zmq
 from pydantic import ValidationError
 
 from deployment.settings import Settings
-from kvcache.events import CLEARED, STORED, KVEvent, prompt_keys
+from kvcache.events import CLEARED, MOVED, REMOVED, STORED, KVEvent, prompt_keys
 from tests.engine_harness import make_engine, settled
 from workers import kv_publisher
 from workers.errors import EngineError
@@ -174,3 +175,20 @@ def test_the_wire_is_vllm_0_33s_encoding():
                       "token_ids": [], "block_size": B, "lora_id": None, "medium": "GPU", "lora_name": None,
                       "extra_keys": [[salt_label("salt")]]}
     assert evs[1] == {"type": "AllBlocksCleared"}
+
+
+def test_a_batch_is_byte_for_byte_what_vllms_structs_encode():
+    """The subscriber's structs are vLLM 0.33.0's, written out: the same events encode to the same bytes."""
+    spec = importlib.util.spec_from_file_location("kv_zmq_subscriber", SUBSCRIBER)
+    vllm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(vllm)
+    events = [KVEvent(STORED, 2**64 - 5, None, tuple(range(B)), 0, None),
+              KVEvent(STORED, 8, None, tuple(range(B)), 0, "salt"), KVEvent(MOVED, 8, tier=1),
+              KVEvent(REMOVED, 8, tier=1), KVEvent(CLEARED)]
+    ours = msgspec.msgpack.encode(kv_publisher.KVEventBatch(1.25, kv_publisher.wire_events(events, B, salt_label), 1))
+    theirs = msgspec.msgpack.encode(vllm.KVEventBatch(1.25, [
+        vllm.BlockStored([2**64 - 5], None, list(range(B)), B, None, "GPU", None, [None]),
+        vllm.BlockStored([8], None, [], B, None, "GPU", None, [(salt_label("salt"),)]),
+        vllm.BlockRemoved([8], "GPU"), vllm.BlockStored([8], None, [], B, None, "CPU", None, [None]),
+        vllm.BlockRemoved([8], "CPU"), vllm.AllBlocksCleared()], 1))
+    assert ours == theirs

@@ -49,7 +49,7 @@ SHUTDOWN_TIMEOUT_S = 1.0
 POLL_S = 0.1  # the thread's wait for a batch: how late a replay request may be answered (vLLM: 0.1 s)
 
 
-# ---- the wire: vllm/distributed/kv_events.py of vLLM 0.33.0 (the fields kvfleet fills) ---------------------
+# ---- the wire: the structs of vllm/distributed/kv_events.py in vLLM 0.33.0 -----------------------------------
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[Any]
@@ -69,11 +69,23 @@ class BlockStored(KVCacheEvent):
     medium: str | None
     lora_name: str | None
     extra_keys: list[tuple[Any, ...] | None] | None = None
+    # vLLM 0.33's later fields, never set here (the events follow one life cycle); declared so that a batch is
+    # byte for byte what vLLM's structs encode (msgspec sizes a struct's map header by its field count)
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 class BlockRemoved(KVCacheEvent):
     block_hashes: list[int]
     medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):
