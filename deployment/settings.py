@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from engine.config import EngineConfig, RoutingConfig
+from engine.config import EngineConfig, KVEventsConfig, RoutingConfig
 from workers.config import CacheSettings
 from workers.models import RANDOM_MODEL
 
@@ -100,6 +100,20 @@ class Settings(BaseSettings):
         False, description="keep recording KV events for `/kv_events` even with no listener and routing not `kv`"
     )
     kv_events_buffer: int = Field(10_000, ge=1, description="KV events kept for `/kv_events` replay")
+    kv_events_publisher: Literal["null", "zmq"] = Field(
+        "null", description="`zmq`: also publish KV events over ZMQ in vLLM 0.33's wire format (as vLLM's "
+        "`KVEventsConfig`; docs/architecture.md)"
+    )
+    kv_events_endpoint: str = Field(
+        "tcp://*:5557", description="the ZMQ PUB endpoint of dp group 0; group N's port is this + N, as vLLM's DP "
+        "engines (a wildcard, ipc or inproc endpoint is bound, any other connected to)"
+    )
+    kv_events_replay_endpoint: str = Field(
+        "", description="the ZMQ replay (ROUTER) endpoint of dp group 0, offset per group likewise; empty = none"
+    )
+    kv_events_topic: str = Field("", description="the topic frame of every ZMQ KV event batch")
+    kv_events_buffer_steps: int = Field(10_000, ge=1, description="ZMQ KV event batches (one per group and step) "
+                                        "kept for replay")
     step_transport: Literal["compiled_graph", "actor_calls"] = Field(
         "actor_calls", description="how the engine steps its ranks: one actor call per rank, or one Ray "
         "Compiled Graph execution per iteration (less driver work per step, but its waiting ranks and the "
@@ -126,15 +140,39 @@ class Settings(BaseSettings):
         load_keys(self.metrics_api_key.get_secret_value())
         return self
 
+    @model_validator(mode="after")
+    def _kv_events_endpoints_are_usable(self) -> "Settings":
+        if self.kv_events_publisher != "zmq":
+            return self
+        from engine.kv_publisher import endpoint_problem, offset_endpoint
+
+        groups = {}
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            endpoint = getattr(self, name)
+            if not endpoint and name == "kv_events_replay_endpoint":
+                continue
+            problem = endpoint_problem(endpoint, self.dp)
+            if problem:
+                raise ValueError(f"{name} {endpoint!r} {problem}")
+            groups[name] = {offset_endpoint(endpoint, dp) for dp in range(self.dp)}
+        pub, replay = groups.get("kv_events_endpoint", set()), groups.get("kv_events_replay_endpoint", set())
+        if pub & replay and not any(e.endswith(":0") for e in pub & replay):
+            raise ValueError(f"kv_events_endpoint and kv_events_replay_endpoint overlap ({sorted(pub & replay)[0]}) "
+                             f"over the {self.dp} dp groups' offsets: move the replay port further away")
+        return self
+
 
     def engine_config(self) -> EngineConfig:
         """What the engine reads of these settings, typed and frozen (built once, in the engine's replica)."""
         cache = CacheSettings(**{f.name: getattr(self, f.name) for f in fields(CacheSettings)})
         routing = RoutingConfig(self.routing, self.routing_primary_weight, self.routing_host_weight,
-                                self.routing_load_weight, self.routing_free_weight, self.kv_events,
-                                self.kv_events_buffer)
-        same = {f.name: getattr(self, f.name) for f in fields(EngineConfig) if f.name not in ("cache", "routing")}
-        return EngineConfig(**same, cache=cache, routing=routing)
+                                self.routing_load_weight, self.routing_free_weight)
+        events = KVEventsConfig(self.kv_events, self.kv_events_buffer, self.kv_events_publisher,
+                                self.kv_events_endpoint, self.kv_events_replay_endpoint, self.kv_events_topic,
+                                self.kv_events_buffer_steps)
+        parts = {"cache": cache, "routing": routing, "kv_events": events}
+        same = {f.name: getattr(self, f.name) for f in fields(EngineConfig) if f.name not in parts}
+        return EngineConfig(**same, **parts)
 
 
 def settings_table_markdown() -> str:

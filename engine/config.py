@@ -11,15 +11,27 @@ from workers.config import CacheSettings
 
 @dataclass(frozen=True)
 class RoutingConfig:
-    """Placement across dp groups (engine/placement.py): the policy, the `kv` score's weights, KV events."""
+    """Placement across dp groups (engine/placement.py): the policy and the `kv` score's weights."""
 
     policy: str = "kv"  # kv | least_loaded | round_robin
     primary_weight: float = 1.0
     host_weight: float = 0.5
     load_weight: float = 0.5
     free_weight: float = 1.0
-    kv_events: bool = False  # record KV events for /kv_events even with no listener and a policy other than kv
-    kv_events_buffer: int = 10_000
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """The ranks' KV events beyond routing: the /kv_events SSE stream (engine/kv_stream.py) and the ZMQ
+    publisher in vLLM's wire format (engine/kv_publisher.py; the fields as vLLM's KVEventsConfig names them)."""
+
+    always: bool = False  # record them for /kv_events even with no listener and a policy other than kv
+    buffer: int = 10_000  # events kept for /kv_events replay
+    publisher: str = "null"  # null | zmq
+    endpoint: str = "tcp://*:5557"  # dp group d publishes on the port + d
+    replay_endpoint: str = ""
+    topic: str = ""
+    buffer_steps: int = 10_000
 
 
 @dataclass(frozen=True)
@@ -43,6 +55,7 @@ class EngineConfig:
     restart_backoff_s: float = 0.5
     step_transport: str = "actor_calls"
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
 
     @property
     def world_size(self) -> int:

@@ -83,7 +83,7 @@ class Engine:
         self.error: str | None = None
         self._pgs: list = []
         self._groups = [Group() for _ in range(c.dp)]
-        self.router = Router(c.routing, c.cache.tokens_per_block, c.dp)
+        self.router = Router(c.routing, c.kv_events, c.cache.tokens_per_block, c.dp)
         self._requests: dict[str, Request] = {}
         # while no dp group is up; one that expires fails with a 503 (recovery.py) and is forgotten here
         self._orphans = Orphans(c.placement_timeout_s, lambda req: self._requests.pop(req.id, None))
@@ -101,6 +101,7 @@ class Engine:
         from aggregator import get_or_create_aggregator
 
         s = self.config
+        self.router.publisher.start()  # ZMQ KV events: a bad endpoint fails first, named
         device = self._device = ranks.device_of(s)
         dtype = self._dtype = ranks.dtype_of(s, device)
         # detached: the aggregator (and the cluster's cumulative statistics) outlive this engine's replica
@@ -158,6 +159,7 @@ class Engine:
             await self.stats.close()
         if self.transport is not None:
             await self.transport.close()
+        await asyncio.to_thread(self.router.publisher.close)  # sends what is queued, for up to 1 s
         self._stop(self.workers, self._pgs)
         self.workers, self._pgs = [], []
 

@@ -33,8 +33,9 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from engine.config import RoutingConfig
+from engine.config import KVEventsConfig, RoutingConfig
 from engine.kv_index import KVIndex
+from engine.kv_publisher import KVEventPublisher
 from engine.kv_stream import KVEventStream
 from kvcache.events import prompt_keys, root_key
 
@@ -67,14 +68,15 @@ def salt_label(salt: Any) -> str:
 
 
 class Router:
-    def __init__(self, config: RoutingConfig, tokens_per_block: int, num_groups: int) -> None:
+    def __init__(self, config: RoutingConfig, events: KVEventsConfig, tokens_per_block: int, num_groups: int) -> None:
         s = config
         self.policy = s.policy
         self.B = tokens_per_block
         self.weights = (s.primary_weight, s.host_weight, s.load_weight, s.free_weight)
-        self.always_events = s.policy == "kv" or s.kv_events
+        self.always_events = s.policy == "kv" or events.always or events.publisher == "zmq"
         self.index = KVIndex(num_groups, 1 << 30)
-        self.stream = KVEventStream(s.kv_events_buffer, self.B, self.index, buffer_always=s.kv_events)
+        self.stream = KVEventStream(events.buffer, self.B, self.index, buffer_always=events.always)
+        self.publisher = KVEventPublisher(events, self.B, num_groups, self.index, salt_label)  # ZMQ, vLLM's format
         self.free = [0] * num_groups  # each group's free primary blocks, from its last step
         self.reuse_table: list[int] | None = None  # kvcache.events.reuse_table of the ranks
         self._rr = 0
@@ -153,6 +155,7 @@ class Router:
         if res.kv_events:
             self.index.apply(dp, res.kv_events)
             self.stream.publish(dp, res.kv_events)
+            self.publisher.publish(dp, res.kv_events)
         for rid, realized in res.first_reuse.items():
             req = requests.get(rid)
             if req is not None and req.predicted >= 0:
@@ -164,6 +167,7 @@ class Router:
         rebuilds it, on the index and on the stream."""
         self.index.drop_group(dp)
         self.stream.cleared(dp)
+        self.publisher.cleared(dp)
 
     # ---- records ------------------------------------------------------------------------------------------
     def _count(self, req: Any, dp: int, realized: int) -> None:

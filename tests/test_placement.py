@@ -18,7 +18,8 @@ PROMPT = list(range(1, 65))  # 4 full blocks
 
 def router(**kw) -> Router:
     s = Settings(model="random", dp=3, **kw)
-    r = Router(s.engine_config().routing, s.tokens_per_block, 3)
+    c = s.engine_config()
+    r = Router(c.routing, c.kv_events, s.tokens_per_block, 3)
     r._events_on = True
     r.index.resync = [False] * 3
     r.free = [100, 100, 100]
