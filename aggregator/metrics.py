@@ -19,7 +19,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from .fields import (
+from aggregator.fields import (
     KV_STATS_COUNTERS,
     KV_STATS_GAUGES,
     POOL_VIEW,
@@ -114,7 +114,7 @@ def _family(name: str, kind: str, helptext: str, labels: tuple[str, ...]):
 
 
 def collect_families(snap: dict[str, Any]):
-    """Metric families for one aggregator snapshot (see StatsAggregatorImpl._metrics_snapshot)."""
+    """Metric families for one aggregator snapshot (StatsAggregatorImpl.metrics_text builds it)."""
     fams = {name: _family(name, kind, h, labels) for name, kind, labels, h in METRICS}
 
     def put(name: str, value: float, labels: tuple[str, ...] = ()) -> None:

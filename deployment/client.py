@@ -21,7 +21,7 @@ import httpx
 
 from deployment.sse import SSEDecoder
 
-logger = logging.getLogger("kvfleet.client")
+logger = logging.getLogger("kvfleet.deployment")
 
 
 class StatsError(Exception):

@@ -125,7 +125,7 @@ class _Generation:
         except ValueError as exc:
             raise APIError(400, f"prompt: {exc}", code="invalid_prompt", param="prompt") from None
 
-    async def _params(self, req: protocol._SamplingRequest, ids: list[int]) -> Any:
+    async def _params(self, req: protocol.SamplingRequest, ids: list[int]) -> Any:
         from workers.sampling_params import SamplingParams  # torch: only where a request is served
 
         max_tokens = req.max_tokens

@@ -106,7 +106,7 @@ class KVFleetEngine:
 
     async def kv_events(self, after: str | None, timeout_s: float) -> list[tuple[str, dict]]:
         """Long poll of the KV event stream (workers/kv_stream.py): (id, vLLM-shaped event) after `after`."""
-        return await self._engine.router.stream.wait(after, timeout_s)
+        return await self._engine.kv_events(after, timeout_s)
 
     async def check_health(self) -> None:
         """Serve's replica health check: a replica whose engine cannot serve at all is replaced."""

@@ -51,7 +51,7 @@ class ResponseFormat(_Strict):
     type: Literal["text"] = Field(description="only plain text (json_object / json_schema are not supported)")
 
 
-class _SamplingRequest(_Strict):
+class SamplingRequest(_Strict):
     model: str | None = Field(None, description="must be the served model name; omitted = the served model")
     max_tokens: int | None = Field(None, ge=1, description="tokens to generate; omitted = the server default")
     temperature: float = Field(1.0, ge=0, le=2)
@@ -105,7 +105,7 @@ class _SamplingRequest(_Strict):
         return stops
 
     @model_validator(mode="after")
-    def _stream_options_need_stream(self) -> "_SamplingRequest":
+    def _stream_options_need_stream(self) -> "SamplingRequest":
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
         return self
@@ -119,7 +119,7 @@ class _SamplingRequest(_Strict):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class CompletionRequest(_SamplingRequest):
+class CompletionRequest(SamplingRequest):
     prompt: str | list[int] = Field(description="text, or token ids")
     echo: bool = False
     best_of: int | None = None
@@ -191,7 +191,7 @@ class ChatMessage(_Strict):
         return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     parallel_tool_calls: bool | None = None  # no tools are offered, so it changes nothing
     response_format: ResponseFormat | None = None

@@ -125,7 +125,7 @@ class Engine:
         self.vocab_size = self.rank_info[0]["vocab_size"]
         self.transport = make_transport(s.step_transport, self.workers)
         self.router.reuse_table = self.rank_info[0]["reuse_table"]
-        self.router.index.max_blocks = [info["kv_slots"] for info in self.rank_info[::s.tp]]
+        self.router.set_capacity([info["kv_slots"] for info in self.rank_info[::s.tp]])
         if s.cache.enable_stats:
             self.stats = StatsChannel(self.aggregator)
             self.iteration = first_iteration(await self.stats.register([info["layout"] for info in self.rank_info]))
@@ -245,6 +245,10 @@ class Engine:
             group.to_close.append(req.id)
             self._poke()
         log.info("request %s aborted after %d tokens", request_id, len(req.generated))
+
+    async def kv_events(self, after: str | None, timeout_s: float) -> list[tuple[str, dict]]:
+        """Long poll of the /kv_events stream (engine/kv_stream.py): (id, vLLM-shaped event) after `after`."""
+        return await self.router.stream.wait(after, timeout_s)
 
     async def health(self) -> dict[str, Any]:
         """The engine's state; raises EngineError (an HTTP 503) while no dp group serves."""

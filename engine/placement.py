@@ -86,6 +86,10 @@ class Router:
         self._reported_errors = 0
         self._last_hits = 0  # prompt blocks the last choice found on its group
 
+    def set_capacity(self, blocks_per_group: list[int]) -> None:
+        """Each group's most blocks held at once (its tp rank 0's slots on every tier): the index's bound."""
+        self.index.max_blocks = list(blocks_per_group)
+
     # ---- the decision -------------------------------------------------------------------------------------
     @property
     def events_on(self) -> bool:

@@ -28,7 +28,7 @@ from ray.actor import ActorHandle
 
 from workers.step import StepPlan, StepResult
 
-log = logging.getLogger("kvfleet.transport")
+log = logging.getLogger("kvfleet.engine")
 
 STEP_TRANSPORTS = ("compiled_graph", "actor_calls")
 # An execution that has not answered by then counts as failed (a rank hung): the graph is torn down and the
@@ -129,34 +129,40 @@ class ActorCalls:
 _NOT_STEPPED = "not-stepped"
 
 
+class _Kept:
+    """A rank's answer to its last graph execution, for `_kept_step` should the graph fail. Module state of the
+    rank's process (a Ray actor is one process), so the transport keeps its own, not the worker's, attributes."""
+
+    lock = threading.Lock()
+    seq: int | None = None
+    answer: Outcome = None
+
+
 def _graph_step(worker: Any, seq: int, plan: StepPlan | None) -> bytes | None:
-    """Step the rank and keep what it answered under `seq`, for `_kept_step` should the graph fail.
+    """Step the rank and keep what it answered under `seq`.
 
     The answer goes back pickled: the graph would hand numpy arrays (the stats delta's row) to the engine
     zero-copy, as views of its channel buffers, which the engine keeps past the execution (and past
     ray.shutdown(), where freeing them crashes the process)."""
     if plan is None:
         return None
-    lock = worker.__dict__.setdefault("_transport_lock", threading.Lock())
-    with lock:
+    with _Kept.lock:
         try:
             res: Outcome = worker.step(plan)
         except Exception as e:  # returned, not raised: a raising task fails every rank's output
             res = e
-        worker._transport_kept = (seq, res)
+        _Kept.seq, _Kept.answer = seq, res
     return pickle.dumps(res, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _kept_step(worker: Any, seq: int, timeout_s: float) -> Outcome | str:
     """What the rank answered in execution `seq`, or _NOT_STEPPED; waits for a step still running."""
-    lock = worker.__dict__.setdefault("_transport_lock", threading.Lock())
-    if not lock.acquire(timeout=timeout_s):
+    if not _Kept.lock.acquire(timeout=timeout_s):
         raise TimeoutError(f"the rank's step of execution {seq} is still running after {timeout_s:.0f} s")
     try:
-        kept_seq, res = getattr(worker, "_transport_kept", (None, None))
-        return res if kept_seq == seq else _NOT_STEPPED
+        return _Kept.answer if _Kept.seq == seq else _NOT_STEPPED
     finally:
-        lock.release()
+        _Kept.lock.release()
 
 
 class CompiledGraph:

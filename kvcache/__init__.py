@@ -12,7 +12,7 @@ The statistics records import without torch, so the aggregator can share their f
 torch; the manager and its configs load torch on first use.
 """
 
-from .stats import (
+from kvcache.stats import (
     KvCacheIterationReport,
     KVCacheIterationStatsDelta,
     KvCacheStats,

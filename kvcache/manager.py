@@ -25,9 +25,7 @@ from kvcache.config import KVCacheManagerConfig, derive_layout, split_quota
 from kvcache.events import EventRecorder, root_key
 from kvcache.pending import PendingStats
 from kvcache.pool import Page, SlotPool
-from kvcache.tree import Node
-
-from .stats import (
+from kvcache.stats import (
     ALLOC_NEW,
     ALLOC_TOTAL,
     COPY,
@@ -45,8 +43,9 @@ from .stats import (
     KVCacheStatsDelta,
     PoolGroupSnapshot,
 )
+from kvcache.tree import Node
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("kvfleet.kvcache")
 
 
 class KVCacheManager:
@@ -147,6 +146,11 @@ class KVCacheManager:
                      for pool in (self._primary[group.id], self._secondary[group.id])]
             groups.append(PoolGroupSnapshot(group.id, group.slot_bytes, list(group.window_keys), tiers[0], tiers[1]))
         return KvCacheIterationReport(self._lc_meta, counters, groups)
+
+    @property
+    def num_slots(self) -> int:
+        """Slots of every pool on every tier: the most blocks the cache holds at once (the KV index's bound)."""
+        return sum(p.num_slots for p in self._pools)
 
     def fits(self, num_tokens: int, chunk_tokens: int | None = None) -> bool:
         """Whether one request of `num_tokens` can ever be held on the primary tier (prefill chunked by

@@ -5,7 +5,7 @@ commit rolls back exactly the overlapped part, newest segment first, and an allo
 commit leaves no trace. Every call costs O(segments touched); a commit walks only what is pending.
 """
 
-from .stats import (
+from kvcache.stats import (
     ALLOC_NEW,
     ALLOC_TOTAL,
     FULL_REUSED,

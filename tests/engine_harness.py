@@ -83,7 +83,7 @@ async def make_engine(**overrides) -> Engine:
         eng._set_limit(dp, [{"max_request_tokens": longest_request(w)} for w in eng.rank_workers[dp * s.tp:][:s.tp]])
     eng.vocab_size = eng.rank_workers[0].model.config.vocab_size
     eng.router.reuse_table = reuse_table(eng.rank_workers[0].kv)  # what Engine.start takes from the ranks' setup
-    eng.router.index.max_blocks = [sum(p.num_slots for p in w.kv._pools) for w in eng.rank_workers[::s.tp]]
+    eng.router.set_capacity([w.kv.num_slots for w in eng.rank_workers[::s.tp]])
     eng.router.publisher.start()  # what Engine.start does first (a no-op unless kv_events_publisher is zmq)
     eng._loop_task = asyncio.get_running_loop().create_task(eng._loop())
     return eng

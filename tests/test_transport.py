@@ -199,7 +199,7 @@ def test_replace_while_an_execution_runs_lets_it_finish(ray_cluster, caplog):
         assert out[0] == 2 and out[1] is None
         await transport.close()
 
-    with caplog.at_level("WARNING", logger="kvfleet.transport"):
+    with caplog.at_level("WARNING", logger="kvfleet.engine"):
         asyncio.run(main())
     assert not [r for r in caplog.records if "failed" in r.getMessage()], "the execution was torn down"
     for a in slow:

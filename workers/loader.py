@@ -25,7 +25,7 @@ from workers.gguf_model import GGUFSource, check_gguf, read_gguf
 from workers.model import Model
 from workers.models import RANDOM_MODEL, default_config, resolve_model
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("kvfleet.worker")
 
 # CPU defaults, in tokens of the model's KV so they suit any model: the built-in one gets 2 MiB and 4 MiB,
 # SmolLM2-135M (45 KiB a token in fp32) 45 MiB and 90 MiB

@@ -26,7 +26,7 @@ from torch import nn
 
 from workers.config import ModelConfig
 from workers.paged_batch import Batch, DecodePlan, SeqView
-from workers.parallel import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, _param
+from workers.parallel import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, param
 
 
 @dataclass
@@ -50,7 +50,7 @@ class RMSNorm(nn.Module):
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
-        self.weight = _param((dim,), None)
+        self.weight = param((dim,), None)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -230,7 +230,7 @@ class DecoderLayer(nn.Module):
 class Embedding(nn.Module):
     def __init__(self, vocab_size: int, dim: int):
         super().__init__()
-        self.weight = _param((vocab_size, dim), None)
+        self.weight = param((vocab_size, dim), None)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)

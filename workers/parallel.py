@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("kvfleet.worker")
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,7 @@ def node_ip() -> str:
             return "127.0.0.1"
 
 
-def _param(shape: tuple[int, ...], shard_dim: int | None) -> nn.Parameter:
+def param(shape: tuple[int, ...], shard_dim: int | None) -> nn.Parameter:
     p = nn.Parameter(torch.empty(shape), requires_grad=False)
     p.shard_dim = shard_dim  # read by the loader
     return p
@@ -166,8 +166,8 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         if out_features % tp_size:
             raise ValueError(f"column-parallel linear: {out_features} outputs not divisible by tp_size {tp_size}")
-        self.weight = _param((out_features // tp_size, in_features), 0)
-        self.bias = _param((out_features // tp_size,), 0) if bias else None
+        self.weight = param((out_features // tp_size, in_features), 0)
+        self.bias = param((out_features // tp_size,), 0) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -190,8 +190,8 @@ class RowParallelLinear(nn.Module):
             raise ValueError(f"row-parallel linear: {in_features} inputs not divisible by tp_size {tp_size}")
         self.tp_size = tp_size
         self.group = group
-        self.weight = _param((out_features, in_features // tp_size), 1)
-        self.bias = _param((out_features,), None) if bias else None
+        self.weight = param((out_features, in_features // tp_size), 1)
+        self.bias = param((out_features,), None) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -206,8 +206,8 @@ class ReplicatedLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
-        self.weight = _param((out_features, in_features), None)
-        self.bias = _param((out_features,), None) if bias else None
+        self.weight = param((out_features, in_features), None)
+        self.bias = param((out_features,), None) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)

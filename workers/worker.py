@@ -113,7 +113,7 @@ class RankWorker:
         log.info("rank %d (dp %d, tp %d) ready on %s: %d primary blocks, requests up to %d tokens",
                  s.rank, s.dp_rank, s.tp_rank, self.device, stats.max_num_blocks, lo)
         return {"rank": s.rank, "max_request_tokens": lo, "vocab_size": cfg.vocab_size,
-                "reuse_table": reuse_table(self.kv), "kv_slots": sum(p.num_slots for p in self.kv._pools),
+                "reuse_table": reuse_table(self.kv), "kv_slots": self.kv.num_slots,
                 "max_num_blocks": stats.max_num_blocks, "node_id": ray.get_runtime_context().get_node_id(),
                 "device": self.device, "incarnation": self.incarnation, "layout": self.layout}
 
