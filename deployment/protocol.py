@@ -10,7 +10,7 @@ work. Nothing in a request names a file or a model to load: `model` must equal t
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 MAX_STOP_STRINGS = 4
@@ -51,6 +51,13 @@ class ResponseFormat(_Strict):
     type: Literal["text"] = Field(description="only plain text (json_object / json_schema are not supported)")
 
 
+def _refuse_if_set(cls: type, v: Any, info: ValidationInfo) -> Any:
+    """The validator of OpenAI fields kvfleet does not implement: refused when set (unset or empty is fine)."""
+    if v:
+        raise ValueError(f"{info.field_name} is not supported")
+    return v
+
+
 class SamplingRequest(_Strict):
     model: str | None = Field(None, description="must be the served model name; omitted = the served model")
     max_tokens: int | None = Field(None, ge=1, description="tokens to generate; omitted = the server default")
@@ -87,12 +94,7 @@ class SamplingRequest(_Strict):
             raise ValueError("penalties are not supported (use 0)")
         return v
 
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, v: dict | None) -> dict | None:
-        if v:
-            raise ValueError("logit_bias is not supported")
-        return v
+    _unsupported = field_validator("logit_bias")(_refuse_if_set)
 
     @field_validator("stop")
     @classmethod
@@ -144,13 +146,6 @@ class CompletionRequest(SamplingRequest):
             return v
         raise ValueError("prompt must be a string or a list of token ids")
 
-    @field_validator("echo", mode="after")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported")
-        return v
-
     @field_validator("best_of")
     @classmethod
     def _no_best_of(cls, v: int | None) -> int | None:
@@ -158,19 +153,7 @@ class CompletionRequest(SamplingRequest):
             raise ValueError("only best_of=1 is supported")
         return v
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: int | None) -> int | None:
-        if v:
-            raise ValueError("logprobs are not supported")
-        return v
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, v: str | None) -> str | None:
-        if v:
-            raise ValueError("suffix is not supported")
-        return v
+    _refused = field_validator("echo", "logprobs", "suffix")(_refuse_if_set)
 
 
 class TextPart(_Strict):
@@ -199,19 +182,7 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool | None = None
     top_logprobs: int | None = None
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: bool | None) -> bool | None:
-        if v:
-            raise ValueError("logprobs are not supported")
-        return v
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _no_top_logprobs(cls, v: int | None) -> int | None:
-        if v:
-            raise ValueError("top_logprobs is not supported")
-        return v
+    _refused = field_validator("logprobs", "top_logprobs")(_refuse_if_set)
 
     @model_validator(mode="after")
     def _one_token_limit(self) -> "ChatCompletionRequest":

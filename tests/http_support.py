@@ -1,6 +1,7 @@
 """The fake engine and in-memory stats source that the HTTP route tests serve with real uvicorn (no Ray)."""
 
 import asyncio
+import json
 import socket
 import threading
 import time
@@ -204,6 +205,21 @@ def _assert_openai_error(resp: httpx.Response, status: int, code: str | None = N
     if code is not None:
         assert err["code"] == code, err
     return err
+
+
+def read_events(resp: httpx.Response, n: int, event: str) -> list[tuple[str, dict]]:
+    """The first `n` SSE events of a streamed response as (id, decoded data); each must be an `event`."""
+    from deployment.sse import SSEDecoder
+
+    dec, out = SSEDecoder(), []
+    for line in resp.iter_lines():
+        ev = dec.feed(line)
+        if ev is not None:
+            assert ev.event == event
+            out.append((ev.id, json.loads(ev.data)))
+            if len(out) == n:
+                break
+    return out
 
 
 def all_stats(http, since: int = -1) -> list[dict]:

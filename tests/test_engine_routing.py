@@ -24,6 +24,16 @@ async def ask(eng, prompt, salt=None, max_tokens=3):
                                                                                   temperature=0.0), salt)]
 
 
+async def served(eng, prompt, salt=None):
+    """Ask, then let the engine close what finished (its blocks are published and the index has them)."""
+    await ask(eng, prompt, salt)
+    await settled(eng)
+
+
+def routed_engine(**overrides):
+    return make_engine(**{"kv_cache_bytes": 2 << 20, "max_seq_len": 256, **overrides})
+
+
 def placed(eng, prompt, salt=None):
     up = [dp for dp, g in enumerate(eng._groups) if g.down is None]
     keys = eng.router.keys(prompt, salt)
@@ -32,11 +42,9 @@ def placed(eng, prompt, salt=None):
 
 def test_kv_routing_follows_the_prefix_and_predicted_equals_realized():
     async def main():
-        eng = await make_engine(dp=2, kv_cache_bytes=2 << 20, max_seq_len=256)
-        await ask(eng, TENANT_A + [200])
-        await settled(eng)
-        await ask(eng, TENANT_B + [200])
-        await settled(eng)
+        eng = await routed_engine(dp=2)
+        await served(eng, TENANT_A + [200])
+        await served(eng, TENANT_B + [200])
         a_group = eng.router.index.prefix(0, prompt_keys(TENANT_A, B)) != (0, 0)
         held_a = 0 if a_group else 1
         assert eng.router.index.prefix(held_a, prompt_keys(TENANT_A, B)) == (6, 0)
@@ -46,12 +54,10 @@ def test_kv_routing_follows_the_prefix_and_predicted_equals_realized():
         for i in range(3):
             dp, predicted = placed(eng, TENANT_A + [210 + i])
             assert dp == held_a and predicted == eng.router.reuse_table[6] > 0
-            await ask(eng, TENANT_A + [210 + i])
-            await settled(eng)
+            await served(eng, TENANT_A + [210 + i])
             dp, _ = placed(eng, TENANT_B + [210 + i])
             assert dp == 1 - held_a
-            await ask(eng, TENANT_B + [210 + i])
-            await settled(eng)
+            await served(eng, TENANT_B + [210 + i])
         rec = eng.router.take_record()
         assert rec["requests"] == 6 and rec["perGroupRequests"] == [3, 3]
         assert rec["predictedReusedBlocks"] == rec["realizedReusedBlocks"] == 6 * eng.router.reuse_table[6]
@@ -64,9 +70,8 @@ def test_kv_routing_follows_the_prefix_and_predicted_equals_realized():
 
 def test_a_hot_tenant_does_not_pile_onto_one_group():
     async def main():
-        eng = await make_engine(dp=2, kv_cache_bytes=2 << 20, max_seq_len=256)
-        await ask(eng, TENANT_A + [200])
-        await settled(eng)
+        eng = await routed_engine(dp=2)
+        await served(eng, TENANT_A + [200])
         held_a = 0 if eng.router.index.prefix(0, prompt_keys(TENANT_A, B)) != (0, 0) else 1
         hot = [asyncio.ensure_future(ask(eng, TENANT_A + [230 + i], max_tokens=32)) for i in range(8)]
         await asyncio.gather(*hot)
@@ -80,9 +85,8 @@ def test_a_hot_tenant_does_not_pile_onto_one_group():
 
 def test_salts_are_isolated_in_the_placement():
     async def main():
-        eng = await make_engine(dp=2, kv_cache_bytes=2 << 20, max_seq_len=256)
-        await ask(eng, TENANT_A + [200], salt="t1")
-        await settled(eng)
+        eng = await routed_engine(dp=2)
+        await served(eng, TENANT_A + [200], salt="t1")
         _, predicted = placed(eng, TENANT_A + [201], salt="t2")
         assert predicted == 0  # the same tokens under another salt predict nothing
         _, predicted = placed(eng, TENANT_A + [201], salt="t1")
@@ -97,13 +101,11 @@ def test_salts_are_isolated_in_the_placement():
 
 def test_bad_events_resync_the_group_from_a_snapshot():
     async def main():
-        eng = await make_engine(dp=1, kv_cache_bytes=2 << 20, max_seq_len=256)
-        await ask(eng, TENANT_A + [200])
-        await settled(eng)
+        eng = await routed_engine(dp=1)
+        await served(eng, TENANT_A + [200])
         assert not eng.router.index.apply(0, [KVEvent(REMOVED, key=12345)])  # an unknown block removed
         assert eng.router.index.errors == 1 and eng.router.index.blocks[0] == {}
-        await ask(eng, TENANT_B + [200])  # the next step asks the rank for a snapshot
-        await settled(eng)
+        await served(eng, TENANT_B + [200])  # the next step asks the rank for a snapshot
         assert eng.router.index.blocks[0] == tree_blocks(eng.rank_workers[0].kv) != {}
         assert eng.router.index.prefix(0, prompt_keys(TENANT_A, B)) == (6, 0)
 
@@ -127,10 +129,9 @@ def test_a_step_that_raises_on_a_live_rank_resyncs_the_index_and_the_stream():
     """The ranks' caches changed in the step that raised, and that step's events never arrived: the group
     resyncs from a snapshot instead of drifting from what the rank holds."""
     async def main():
-        eng = await make_engine(dp=1, kv_cache_bytes=2 << 20, max_seq_len=256)
+        eng = await routed_engine(dp=1)
         stream = eng.router.stream
-        await ask(eng, TENANT_B + [200])  # the index is in step with the rank (its first snapshot is in)
-        await settled(eng)
+        await served(eng, TENANT_B + [200])  # the index is in step with the rank (its first snapshot is in)
         assert not eng.router.index.resync[0]
         got = stream.since(None)  # a /kv_events client follows the stream
         view = [{}]
@@ -148,8 +149,7 @@ def test_a_step_that_raises_on_a_live_rank_resyncs_the_index_and_the_stream():
         worker.step = step
         with pytest.raises(RequestFailed):
             await ask(eng, TENANT_A + [200])
-        await ask(eng, TENANT_B + [201])
-        await settled(eng)
+        await served(eng, TENANT_B + [201])
         assert raised
         held = tree_blocks(worker.kv)
         assert eng.router.index.prefix(0, prompt_keys(TENANT_A, B))[0] > 0  # the failed step's blocks, too
@@ -172,15 +172,13 @@ def salted_keys(mgr, salt) -> set[int]:
 
 def test_a_salted_prompt_never_leaves_the_engine_on_kv_events():
     async def main():
-        eng = await make_engine(dp=1, kv_cache_bytes=2 << 20, max_seq_len=256)
+        eng = await routed_engine(dp=1)
         stream = eng.router.stream
         stream.since(None)  # a /kv_events client listens: every event is kept in the replay buffer
         await ask(eng, TENANT_A + [200], salt="tenant-a")
-        await ask(eng, TENANT_B + [200])
-        await settled(eng)
+        await served(eng, TENANT_B + [200])
         eng.router.drop_group(0)  # the next step publishes the rank's snapshot of every block it holds
-        await ask(eng, TENANT_B + [201])
-        await settled(eng)
+        await served(eng, TENANT_B + [201])
         mine = salted_keys(eng.rank_workers[0].kv, "tenant-a")
         events = [ev for _, ev in stream.buffer] + [ev for _, ev in stream.since(None)]  # live + snapshots
         stored = [ev for ev in events if ev["type"] == "BlockStored"]

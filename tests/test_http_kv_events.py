@@ -1,25 +1,15 @@
 """cache_salt on completions and chat, and GET /kv_events over the engine's event stream (fake engine, no Ray)."""
 
-import json
 
 import httpx
 
-from deployment.sse import SSEDecoder
 from engine.kv_stream import KVEventStream
 from kvcache.events import STORED, KVEvent
-from tests.http_support import _assert_openai_error
+from tests.http_support import _assert_openai_error, read_events
 
 
 def _events(resp, n: int) -> list[tuple[str, dict]]:
-    dec, out = SSEDecoder(), []
-    for line in resp.iter_lines():
-        ev = dec.feed(line)
-        if ev is not None:
-            assert ev.event == "kv_event"
-            out.append((ev.id, json.loads(ev.data)))
-            if len(out) == n:
-                break
-    return out
+    return read_events(resp, n, "kv_event")
 
 
 def test_cache_salt_reaches_the_engine_on_completions_and_chat(server, http):

@@ -13,7 +13,7 @@ from e2e_fixtures import prometheus_query
 
 from deployment.client import StatsClient, StatsError
 from deployment.sse import SSEDecoder
-from tests.http_support import _assert_openai_error, all_stats, caught_up
+from tests.http_support import _assert_openai_error, all_stats, caught_up, read_events
 
 BAD_STATS = [
     ("/stats?since=-2", 400), ("/stats?since=abc", 400), ("/stats?limit=-1", 400),
@@ -79,15 +79,7 @@ def test_metrics_health_ranks(http):
 
 
 def _read_events(resp: httpx.Response, n: int) -> list[tuple[str, dict]]:
-    dec, out = SSEDecoder(), []
-    for line in resp.iter_lines():
-        ev = dec.feed(line)
-        if ev is not None:
-            assert ev.event == "stats"
-            out.append((ev.id, json.loads(ev.data)))
-            if len(out) == n:
-                break
-    return out
+    return read_events(resp, n, "stats")
 
 
 def test_sse_resume_with_last_event_id(server):
