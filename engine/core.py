@@ -33,12 +33,11 @@ from engine.errors import (
     EngineError,
     Overloaded,
     RequestError,
-    RequestFailed,
     check_request,
     one_line,
 )
 from engine.placement import Router
-from engine.recovery import Orphans, restart_group
+from engine.recovery import GroupRecovery, Orphans
 from engine.scheduler import Group, Request, TokenEvent, apply_result, figures, plan_group
 from engine.stats_channel import StatsChannel
 from engine.transport import StepFailure, Transport, make_transport, step_all
@@ -59,7 +58,7 @@ def first_iteration(last_emitted: int | None) -> int:
 NO_PROGRESS_PAUSE_S = (0.001, 0.25)
 
 
-class Engine:
+class Engine(GroupRecovery):
     """Owns the rank actors and the aggregator handle; `generate` streams one request's tokens."""
 
     def __init__(self, config: EngineConfig) -> None:
@@ -339,83 +338,6 @@ class Engine:
             pause = min(max(2 * pause, lo), hi)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), pause)
-
-    def _group_failed(self, dp: int, failure: StepFailure) -> None:
-        """A dead rank takes its dp group down (the others go on): its requests are re-queued and the group
-        is restarted. Any other step error fails the group's running requests, which are closed on every
-        rank, and the group steps on (its KV index resyncs: that step's events are lost)."""
-        g, tp = self._groups[dp], self.config.tp
-        why = one_line(failure.error)
-        if not failure.rank_gone:
-            log.error("dp group %d: step of rank %d raised, failing %d running requests: %s", dp, failure.rank,
-                      len(g.running), why)
-            self.router.drop_group(dp)  # the step's KV events are lost: resync from the rank's next snapshot
-            for req in list(g.running):
-                self._finish_failed(g, req, RequestFailed(f"generation failed: {why}"))
-            return
-        g.down = f"rank {failure.rank} is gone ({type(failure.error).__name__})"
-        g.failures += 1
-        self.router.drop_group(dp)  # its cache is gone: the KV index forgets it
-        moved = list(g.running) + list(g.waiting)
-        g.waiting.clear()
-        g.running.clear()
-        g.to_close.clear()
-        self._stop(self.workers[dp * tp:(dp + 1) * tp], [self._pgs[dp]])  # what is left of it
-        self.workers[dp * tp:(dp + 1) * tp] = [None] * tp
-        self.transport.replace(self.workers)
-        log.error("dp group %d is down: %s; re-queueing %d requests", dp, g.down, len(moved))
-        for req in reversed(moved):  # oldest first, ahead of what was waiting there (or orphans, if none is up)
-            req.requeue()
-            self._replace(req, front=True)
-        if g.failures > self.config.max_group_restarts:
-            self._stays_down(dp)  # the last group to stay down fails every request, these included, once
-        else:
-            task = self._restarting[dp] = asyncio.get_running_loop().create_task(self._restart(dp))
-            task.add_done_callback(lambda _: self._restarting.pop(dp, None))
-
-    def _stays_down(self, dp: int) -> None:
-        g = self._groups[dp]
-        g.stays_down = True
-        g.down = f"{g.down}; stays down after {g.failures} failures in a row"
-        log.error("dp group %d stays down: %s", dp, g.down)
-        if all(other.stays_down for other in self._groups):
-            self.error = "every dp group is down: " + "; ".join(
-                f"group {i}: {other.down}" for i, other in enumerate(self._groups))
-            self._fail_all(EngineError(self.error, RETRY_AFTER_DOWN_S))
-
-    async def _restart(self, dp: int) -> None:
-        """Bring a down group back (workers/recovery.py), then into service; or it stays down."""
-        g, tp = self._groups[dp], self.config.tp
-        launched = await restart_group(dp, g, self.config, self._launch, self._prepare, self._stop)
-        if launched is None:
-            self._stays_down(dp)
-            return
-        self.workers[dp * tp:(dp + 1) * tp] = launched.workers
-        self.transport.replace(self.workers)
-        self._pgs[dp] = launched.pg
-        self._set_limit(dp, launched.infos)
-        g.down = None
-        g.restarts += 1
-        log.info("dp group %d back in service (restart %d)", dp, g.restarts)
-        for req in self._orphans.take_all():
-            self._replace(req)
-        self._poke()
-
-    def _replace(self, req: Request, front: bool = False) -> None:
-        """Place an admitted request again (its group died, or it waited for one to come back); one that no
-        group can take any more fails with its error instead."""
-        try:
-            self._place(req, front)
-        except (RequestError, EngineError) as e:
-            req.done = True
-            self._requests.pop(req.id, None)
-            req.queue.put_nowait(e)
-
-    async def _prepare(self, launched: ranks.Launched) -> None:
-        """A restarted group before it serves: warmed up, its new incarnations registered for statistics."""
-        await ranks.warm_up(launched.workers)
-        if self.stats is not None:
-            await self.stats.register([info["layout"] for info in launched.infos])
 
     def _finish_failed(self, g: Group, req: Request, error: BaseException) -> None:
         g.finish(req)

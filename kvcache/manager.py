@@ -63,9 +63,8 @@ class KVCacheManager:
         sec = split_quota(config.host_cache_bytes, self.pool_groups)
         if min(pri) < 1:
             need = sum(len(group.life_cycles) * group.slot_bytes for group in self.pool_groups)
-            raise ValueError(
-                f"gpu_cache_bytes={config.gpu_cache_bytes} holds no block; at least {need} bytes are needed"
-            )
+            raise ValueError(f"gpu_cache_bytes={config.gpu_cache_bytes} holds no block; at least {need} bytes "
+                             "are needed")
         pin = torch.cuda.is_available()
         self._primary = [SlotPool(n, group.slot_bytes, config.device)
                          for n, group in zip(pri, self.pool_groups, strict=True)]
@@ -76,6 +75,7 @@ class KVCacheManager:
         self._iter = [[0] * NUM_COUNTERS for _ in self.life_cycles]
         self._totals = [0, 0, 0, 0]  # alloc_total, alloc_new, reused, missed
         self._pools = [p for p in self._primary + self._secondary if p is not None]
+        self.num_slots = sum(p.num_slots for p in self._pools)  # every tier's: the most blocks held at once
         self._lc_meta = [{"id": c.id, "pool_group": c.pool_group, "window_key": c.window_key, "kind": c.kind}
                          for c in self.life_cycles]
         self._dirty = False  # a gauge may have changed since the peaks were last sampled
@@ -146,11 +146,6 @@ class KVCacheManager:
                      for pool in (self._primary[group.id], self._secondary[group.id])]
             groups.append(PoolGroupSnapshot(group.id, group.slot_bytes, list(group.window_keys), tiers[0], tiers[1]))
         return KvCacheIterationReport(self._lc_meta, counters, groups)
-
-    @property
-    def num_slots(self) -> int:
-        """Slots of every pool on every tier: the most blocks the cache holds at once (the KV index's bound)."""
-        return sum(p.num_slots for p in self._pools)
 
     def fits(self, num_tokens: int, chunk_tokens: int | None = None) -> bool:
         """Whether one request of `num_tokens` can ever be held on the primary tier (prefill chunked by

@@ -15,7 +15,8 @@ import ray
 import torch
 
 from deployment.settings import Settings
-from engine.core import Engine, EngineError, RequestError
+from engine.core import Engine
+from engine.errors import EngineError, RequestError
 from engine.transport import STEP_TRANSPORTS
 from kvcache import KVCacheManager
 from workers.config import CacheSettings

@@ -7,7 +7,8 @@ import pytest
 import ray
 import torch
 
-from engine.core import RequestError, RequestFailed, first_iteration
+from engine.core import first_iteration
+from engine.errors import RequestError, RequestFailed
 from tests.engine_harness import generate, make_engine, settled
 from workers import worker as worker_module
 from workers.sampling_params import SamplingParams
