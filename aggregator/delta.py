@@ -112,7 +112,7 @@ class Iteration:
     deltas: list[RankDelta]
     missing: tuple[int, ...] = ()
     engine: dict[str, int] = field(default_factory=dict)  # ENGINE_FIGURES
-    routing: dict | None = None  # the placement figures of the iteration (workers/placement.py), if any
+    routing: dict | None = None  # the placement figures of the iteration (engine/placement.py), if any
 
 
 # the engine's figures for an iteration (TensorRT-LLM names), ints but the queue latency

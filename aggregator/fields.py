@@ -37,5 +37,5 @@ KV_STATS_COUNTERS = ("allocTotalBlocks", "allocNewBlocks", "reusedBlocks", "miss
 KV_STATS_GAUGES = ("maxNumBlocks", "freeNumBlocks", "usedNumBlocks")
 assert set(KV_STATS_GAUGES + KV_STATS_COUNTERS) < set(KV_CACHE_STATS_KEYS)
 
-# the counters of a record's `routing` field (workers/placement.py) that /metrics sums
+# the counters of a record's `routing` field (engine/placement.py) that /metrics sums
 ROUTING_COUNTERS = ("requests", "predictedReusedBlocks", "realizedReusedBlocks", "indexResyncs")

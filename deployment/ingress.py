@@ -105,7 +105,7 @@ class KVFleetEngine:
         return await self._engine.health()
 
     async def kv_events(self, after: str | None, timeout_s: float) -> list[tuple[str, dict]]:
-        """Long poll of the KV event stream (workers/kv_stream.py): (id, vLLM-shaped event) after `after`."""
+        """Long poll of the KV event stream (engine/kv_stream.py): (id, vLLM-shaped event) after `after`."""
         return await self._engine.kv_events(after, timeout_s)
 
     async def check_health(self) -> None:

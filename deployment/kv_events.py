@@ -5,7 +5,7 @@ Each event is one `data:` JSON object (`BlockStored`, `BlockRemoved`, `AllBlocks
 reconnecting with a `Last-Event-ID` of the engine's current incarnation resumes without a gap while the engine
 still buffers what it missed; otherwise (a first connect, another engine's id, a malformed one) it gets a
 resync: per dp group an `AllBlocksCleared` with `"resync": true` and the blocks the engine's index holds.
-The ids, the buffer and the snapshot live in the engine (workers/kv_stream.py); polling keeps its events on.
+The ids, the buffer and the snapshot live in the engine (engine/kv_stream.py); polling keeps its events on.
 """
 
 from __future__ import annotations

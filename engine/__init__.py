@@ -7,12 +7,14 @@ Modules, lowest first:
   `Overloaded` (429).
 - `config`: `EngineConfig`, the engine's typed, frozen settings (built once from `deployment.settings`).
 - `scheduler`: a dp group's queues, the rule that plans its step, and how its result moves the requests on.
-- `kv_index`, `kv_stream`, `placement`: the block index from the ranks' KV events, the /kv_events stream, and
-  the router that places each request on a dp group (kv, least_loaded, round_robin).
+- `kv_index`, `kv_stream`, `kv_publisher`, `placement`: the block index from the ranks' KV events, the
+  /kv_events stream, the same events over ZMQ in vLLM's wire format, and the router that places each request
+  on a dp group (kv, least_loaded, round_robin).
 - `ranks`: the rank actors' life cycle: one placement group per dp group; start, tp rendezvous, warm-up, stop.
 - `transport`: stepping: every live rank with its group's plan each iteration, over actor calls or one Ray
   Compiled Graph execution; a failed rank's step as a `StepFailure`.
-- `recovery`: a down dp group's restart with backoff, and the requests that wait while no group is up.
+- `recovery`: a down dp group's restart with backoff, the engine's handling of a failed group
+  (`GroupRecovery`), and the requests that wait while no group is up.
 - `stats_channel`: the engine's end of the stats channel: iterations to the aggregator until acknowledged.
 - `core`: `Engine`, the step loop over dp groups.
 """

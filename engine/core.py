@@ -1,7 +1,7 @@
 """The engine: continuous batching over dp groups of rank actors that step in lockstep.
 
 It lives in the engine's Serve replica. Each step it plans, per dp group, which requests to create, run and
-close (workers/scheduler.py); every rank then steps with its group's plan (an idle group steps with an empty
+close (engine/scheduler.py); every rank then steps with its group's plan (an idle group steps with an empty
 plan, so every rank reports every iteration and the aggregator can close it). When no group has anything to
 do the engine does not step. Iterations continue after the aggregator's last emitted one, so a restarted
 engine never reuses an iteration number.
@@ -9,7 +9,7 @@ engine never reuses an iteration number.
 Failures: a rank whose step call fails because the actor is gone takes its dp group down; the others keep
 stepping. The group's requests are re-queued at once (on a group that is up, if any) and prefill again from
 prompt + tokens generated so far (a seeded sampler draws on where it was): their streams go on with no gap
-and no repeat. The group restarts as new actors after a backoff (workers/recovery.py) and serves again once
+and no repeat. The group restarts as new actors after a backoff (engine/recovery.py) and serves again once
 set up and warmed up; after `max_group_restarts` failures in a row it stays down.
 """
 
@@ -74,7 +74,7 @@ class Engine(GroupRecovery):
         self.aggregator = None
         self.stats: StatsChannel | None = None
         self.workers: list = []  # per rank: its actor, or None while its group is down
-        self.transport: Transport | None = None  # how the ranks are stepped (workers/transport.py)
+        self.transport: Transport | None = None  # how the ranks are stepped (engine/transport.py)
         self.rank_info: list[dict] = []
         self.iteration = 0
         self.steps = 0
@@ -179,7 +179,7 @@ class Engine(GroupRecovery):
                         dp, self._limits[dp], self.max_model_len, min(self.max_seq_len, before))
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise RequestError for a request that must never reach a rank (workers.errors.check_request)."""
+        """Raise RequestError for a request that must never reach a rank (engine.errors.check_request)."""
         check_request(prompt_token_ids, params.max_tokens, self.vocab_size, self.max_model_len, self.max_seq_len)
 
     async def generate(self, request_id: str | None, prompt_token_ids: list[int], params: SamplingParams,
@@ -271,7 +271,7 @@ class Engine(GroupRecovery):
         fits = [dp for dp, g in enumerate(self._groups) if not g.stays_down and need <= self._limits[dp]]
         up = [dp for dp in fits if self._groups[dp].down is None]
         if up:
-            self.router.place(req, self._groups, up)  # sets req.dp (workers/placement.py)
+            self.router.place(req, self._groups, up)  # sets req.dp (engine/placement.py)
             waiting = self._groups[req.dp].waiting
             waiting.appendleft(req) if front else waiting.append(req)
             self._poke()

@@ -16,7 +16,7 @@ queue is full the batch is dropped and the group's next batch is a snapshot of t
 (`AllBlocksCleared`, then every block it holds), so a consumer's view converges again.
 
 Tenant isolation (docs/http-api.md, /kv_events): a salted block's `token_ids` is empty, and `extra_keys`
-carries the salt's label (workers/placement.py `salt_label`), never the salt, on the first block of a chain,
+carries the salt's label (engine/placement.py `salt_label`), never the salt, on the first block of a chain,
 where vLLM puts the raw `cache_salt`.
 """
 

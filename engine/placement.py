@@ -1,7 +1,7 @@
 """Placement across dp groups: which group a request goes to, and how right that was.
 
 Policies (`routing`): `kv` scores every group that is up by the prompt blocks it already holds (the KV index,
-workers/kv_index.py: an exact picture of what the ranks reported) against its load, `least_loaded` takes the
+engine/kv_index.py: an exact picture of what the ranks reported) against its load, `least_loaded` takes the
 group with the fewest requests, `round_robin` the next one. The `kv` score, in tokens:
 
     B * (primary_weight * primary hits + host_weight * host hits)

@@ -2,7 +2,7 @@
 
 Why not Ray's actor restarts (`max_restarts`): a restarted rank actor would come back without the model, the
 KV cache or its tp group, and its tp peers would still hold the dead rendezvous; a dp group is the unit that
-restarts (workers/ranks.py starts one), so the engine restarts it, as new actors, with a backoff.
+restarts (engine/ranks.py starts one), so the engine restarts it, as new actors, with a backoff.
 """
 
 from __future__ import annotations

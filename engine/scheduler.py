@@ -42,7 +42,7 @@ class Request:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     warmup: bool = False
     expiry: Any = None  # while no dp group is up: the timer that fails the request at its placement deadline
-    block_keys: list[int] | None = None  # the prompt's full blocks' keys (workers/placement.py), or None
+    block_keys: list[int] | None = None  # the prompt's full blocks' keys (engine/placement.py), or None
     predicted: int = -1  # reused blocks its placement predicted; -1 until placed and once counted
     counted: bool = False  # in a record's `routing` (once, on the group of its first commit: not again if moved)
     hit_tokens: int = 0  # prompt tokens its placement expects the rank to find cached (the group's load)

@@ -63,7 +63,7 @@ class StepFailure:
 async def step_all(transport: Any, world_size: int, plans: list[StepPlan | None],
                    tp: int) -> tuple[list, list, tuple[int, ...]]:
     """Step every rank of each dp group that has a plan, with its group's plan, through `transport`
-    (workers/transport.py). Per group: tp rank 0's result (with every tp rank's failed requests), or the
+    (engine/transport.py). Per group: tp rank 0's result (with every tp rank's failed requests), or the
     failure of a rank whose step raised (a dead rank first), or None; then every rank's stats delta, and the
     ranks that gave none (not stepped, or failed)."""
     stepped = [rank for rank in range(world_size) if plans[rank // tp] is not None]

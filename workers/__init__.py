@@ -1,23 +1,19 @@
-"""workers: the model, the rank actors and the engine that steps them in lockstep. No HTTP.
+"""workers: what runs inside a rank actor: the model shard, its tp group, its KV cache, its step. No HTTP, and
+nothing of the engine's loop (engine/); the engine reaches a rank only through the messages of `step`.
 
-Modules, lowest first:
-- `config`: `ModelConfig`, a model's shape read from a Hugging Face `config.json` (per-layer windows).
+Modules, lowest first (those marked * import no torch, so the engine and the ingress use them):
+- `config`*: `ModelConfig` (a model's shape, per-layer windows) and `CacheSettings` (the KV cache settings).
+- `sampling_params`*: `SamplingParams`, how one request picks tokens.
+- `step`*: the engine<->rank messages: `RankSpec`, `StepPlan` (`NewRequest`, `Work`), `StepResult`.
+- `tokenizer`*, `gguf_tokenizer`*: the byte tokenizer and `tokenizer.json`, chat templates, the incremental
+  detokenizer; a GGUF file's own tokenizer.
+- `gguf_model`*: a GGUF file's config and (dequantized, with numpy) weights; the packaged SmolLM2 default.
+- `models`*: what a `model` setting names, its config checked without weights, its tokenizer.
 - `parallel`: the tp group (`torch.distributed`, NCCL or gloo, own rendezvous) and the parallel linears.
 - `paged_batch`: one forward pass's sequences and the block-table plans paged attention reads through.
 - `model`: the decoder (Llama / Qwen2 / Qwen3 / Mistral family) with attention paged through `kvcache`.
-- `sampling`: `SamplingParams` and the batched sampler (greedy, temperature, top-k, top-p, seeds).
-- `tokenizer`: the byte tokenizer and `tokenizer.json`, chat templates, the incremental detokenizer.
-- `gguf_model`, `gguf_tokenizer`: a GGUF file's config, dequantized weights and tokenizer (SmolLM2 default).
-- `loader`: loads a model directory or the built-in random model, each tp rank its slice; KV cache sizing.
-- `worker`: `RankWorker`, one rank's actor (model shard + KV cache manager); returns its stats delta per step.
-- `ranks`: an engine's rank actors, one placement group per dp group: start, tp rendezvous, warm-up, stop.
-- `transport`: how the ranks are stepped each iteration: actor calls, or one Ray Compiled Graph execution.
-- `scheduler`: a dp group's queues, the rule that plans its step, and how its result moves the requests on.
-- `kv_index`, `kv_stream`, `placement`: the engine's block index from the ranks' KV events, the /kv_events
-  stream, and the router that places each request on a dp group (kv, least_loaded, round_robin).
-- `recovery`: a down dp group's restart with backoff, and the requests that wait while no group is up.
-- `engine`: `Engine`, the step loop over dp groups; admits and places requests, handles failed ranks.
-- `stats_channel`: the engine's end of the stats channel: iterations to the aggregator until acknowledged.
-- `errors`: the request rules and `RequestError` (400), `RequestFailed` (500), `EngineError` (503),
-  `Overloaded` (429); no torch.
+- `sampling`: the batched sampler (greedy, temperature, top-k, top-p, per-draw seeded generators).
+- `loader`: loads a model directory, a GGUF file or the built-in random model, each tp rank its slice; KV
+  cache sizing.
+- `worker`: `RankWorker`, one rank's actor: its step, its stats delta, its KV events.
 """
