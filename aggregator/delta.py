@@ -12,7 +12,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvcache.residency import BlockStats
 from kvcache.stats import COUNTER_KEYS, NUM_COUNTERS
+
+from .request_stats import RequestFigures
 
 NUM_GAUGES = 14  # primary then secondary: max, free, used, evictable, peak free, peak used, peak evictable
 # cumulative kvCacheStats as ints (the hit rate is derived)
@@ -67,11 +70,13 @@ class RankLayout:
 
 @dataclass(frozen=True, slots=True)
 class RankDelta:
-    """One rank's iteration: who sent it and its packed row (see RankLayout.parts)."""
+    """One rank's iteration: who sent it, its packed row (see RankLayout.parts) and its block residency and
+    tier-copy times (None when it had none)."""
 
     rank: int
     incarnation: str
     row: np.ndarray
+    blocks: BlockStats | None = None
 
 
 def pack(layout: RankLayout, counters, gauges, kv_stats, sched) -> np.ndarray:
@@ -95,6 +100,7 @@ class Iteration:
     missing: tuple[int, ...] = ()
     engine: dict[str, int] = field(default_factory=dict)  # ENGINE_FIGURES
     routing: dict | None = None  # the placement figures of the iteration (workers/placement.py), if any
+    requests: RequestFigures | None = None  # per dp group: request times and token counts (vLLM's metrics)
 
 
 # the engine's figures for an iteration (TensorRT-LLM names), ints but the queue latency

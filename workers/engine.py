@@ -33,6 +33,7 @@ from .loader import load_tokenizer
 from .models import check_model
 from .placement import Router
 from .recovery import Orphans, restart_group
+from .request_times import RequestRecorder
 from .sampling import SamplingParams
 from .scheduler import Group, Request, TokenEvent, apply_result, figures, plan_group
 from .stats_channel import StatsChannel
@@ -88,6 +89,7 @@ class Engine:
         self._loop_task: asyncio.Task | None = None
         self._ids = itertools.count()
         self._completed = 0  # requests finished in the iteration being applied
+        self.recorder = RequestRecorder(settings.served_model_name, settings.max_seq_len, settings.dp)
 
     # ---- lifecycle --------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -225,6 +227,7 @@ class Engine:
         if req is None or req.done:
             return
         req.done = True
+        self.recorder.finish(req, "abort", time.monotonic())
         self._orphans.remove(req)
         if req.dp < 0:
             return
@@ -310,11 +313,13 @@ class Engine:
                 elif res is not None:
                     progress = progress or bool(res.ran or res.failed)
                     self.router.observe(dp, res, self._requests)
+                    self.recorder.step(dp, res, self._requests)
                     self._apply(self._groups[dp], res)
+            requests = self.recorder.take(self._groups)
             if self.stats is not None:
                 engine = figures(self._groups, plans, self.settings, self._completed)
                 self.stats.put(Iteration(self.iteration, time.time(), deltas, missing, engine,
-                                         self.router.take_record()))
+                                         self.router.take_record(), requests))
             self.iteration += 1
             self.steps += 1
             if self.error:
@@ -406,6 +411,7 @@ class Engine:
 
     def _finish_failed(self, g: Group, req: Request, error: BaseException) -> None:
         g.finish(req)
+        self.recorder.finish(req, "error", time.monotonic())
         self._requests.pop(req.id, None)
         self._poke()
         req.queue.put_nowait(error)
@@ -415,6 +421,7 @@ class Engine:
             g.failures = 0  # it serves again: failures "in a row" start over
         self.preemptions += len(res.recomputed) + len(res.suspended)
         for req, ev in apply_result(g, res, self._requests, self.tokenizer.eos_token_ids):
+            self.recorder.event(req, getattr(ev, "finish_reason", None), not isinstance(ev, TokenEvent))
             if req.done:
                 self._requests.pop(req.id, None)
                 self._completed += isinstance(ev, TokenEvent)

@@ -105,6 +105,7 @@ class StepResult:
     kv_events: list[KVEvent] | None = None  # this step's KV events (plan.kv_events, tp rank 0)
     first_reuse: dict[str, int] = field(default_factory=dict)  # request id -> reused blocks of its first commit
     free_blocks: int = -1  # free primary blocks after the step (with KV events)
+    reused_host: dict[str, int] = field(default_factory=dict)  # new request id -> of its reused tokens, on host
 
 
 def build_kv_cache(spec: RankSpec, cfg: Any, device: str, dtype: torch.dtype, tp_group: TPGroup) -> KVCacheManager:
@@ -206,7 +207,7 @@ class RankWorker:
         # suspended before this step: those that run in it are resumed (iterResumedRequests); stats only
         was_suspended = ({rid for rid, r in self.reqs.items() if r.kv is not None and not r.kv.is_active}
                          if recording else set())
-        reused = {}
+        reused, reused_host = {}, {}
         first_reuse: dict[str, int] = {}
         cached = [0, 0]  # tokens the new requests found in the prefix cache, on the primary / the host tier
         for new in plan.new:
@@ -217,6 +218,9 @@ class RankWorker:
                 self._fail(req, e, failed)
                 continue
             reused[req.id] = req.kv.num_reused_tokens
+            levels = req.kv.cached_tokens_by_level
+            if len(levels) > 1 and levels[1]:
+                reused_host[req.id] = levels[1]
             for level, tokens in enumerate([] if new.warmup else req.kv.cached_tokens_by_level):
                 cached[level] += tokens
         order = [w for w in plan.work if w.request_id in self.reqs]
@@ -254,7 +258,7 @@ class RankWorker:
                      *cached, *self._memory()]
             delta = self._delta(sched)
         out = StepResult(plan.iteration, ran, deferred, recomputed, suspended, reused, step_s, failed, delta,
-                         first_reuse=first_reuse)
+                         first_reuse=first_reuse, reused_host=reused_host)
         if events:
             out.kv_events = self.kv.kv_events.drain()
             out.free_blocks = self.kv.get_kv_cache_stats().free_num_blocks
@@ -352,7 +356,8 @@ class RankWorker:
         kv_stats = [k.max_num_blocks, k.free_num_blocks, k.used_num_blocks, k.tokens_per_block, k.alloc_total_blocks,
                     k.alloc_new_blocks, k.reused_blocks, k.missed_blocks]
         gauges = [pg.primary + pg.secondary for pg in report.pool_groups]
-        return RankDelta(self.spec.rank, self.incarnation, pack(self.layout, report.counters, gauges, kv_stats, sched))
+        row = pack(self.layout, report.counters, gauges, kv_stats, sched)
+        return RankDelta(self.spec.rank, self.incarnation, row, self.kv.residency.drain())
 
     def _memory(self) -> list[int]:
         """(GPU, CPU resident, pinned host) bytes this rank uses: TensorRT-LLM's gpu/cpu/pinnedMemUsage."""
