@@ -43,6 +43,7 @@ from aggregator.buffer import LongPoll, RecordBuffer
 from aggregator.delta import Iteration, RankDelta, RankLayout
 from aggregator.fields import POOL_VIEW, ROUTING_COUNTERS, VIEW_COUNTERS, WINDOW_VIEW
 from aggregator.metrics import render_metrics
+from aggregator.vllm_metrics import VllmMetrics
 
 log = logging.getLogger("kvfleet.aggregator")
 _KV_NAMESPACE = "kvfleet"
@@ -102,6 +103,8 @@ class StatsAggregatorImpl:
                                                                                             POOL_VIEW: {}}
         self.completed = (saved or {}).get("completed", 0)  # requests, over every record emitted
         self.session = (saved or {}).get("session", 0)  # of the engine attached last
+        self.vllm = VllmMetrics(engine_id)  # vLLM's families, cumulative like the totals
+        self.vllm.restore((saved or {}).get("vllm"))
         if saved:
             for rec in self._load_tail():
                 self.buffer.append(rec)
@@ -130,7 +133,7 @@ class StatsAggregatorImpl:
 
     def _save_state(self) -> None:
         self._ckpt.save("state", {**self.asm.checkpoint(), "totals": self.totals, "completed": self.completed,
-                                  "session": self.session})
+                                  "session": self.session, "vllm": self.vllm.to_state()})
 
     def _reply(self) -> dict[str, Any]:
         return {"epoch": self.asm.epoch, "acked": self.asm.last_emitted, "session": self.session}
@@ -181,7 +184,9 @@ class StatsAggregatorImpl:
 
     def _publish(self, records: list[dict[str, Any]], iterations: list[Iteration]) -> None:
         deltas = {it.iteration: it.deltas for it in iterations}
+        by_iter = {it.iteration: it for it in iterations}
         for rec in records:
+            self.vllm.observe(by_iter[rec["iter"]], self.asm.layouts)
             if self.rank_detail_records:
                 self.details[rec["iter"]] = deltas[rec["iter"]]
                 while len(self.details) > self.rank_detail_records:
@@ -257,7 +262,7 @@ class StatsAggregatorImpl:
                 "buffered": len(self.buffer), "subscribers": self.subscribers, "completed": self.completed,
                 "routing": self.routing, "routed_per_group": self.routed_per_group,
                 "cluster": self._reported_stats, "latest": self.buffer.latest(), "totals": self.totals,
-                "ranks": await self.ranks()}
+                "ranks": await self.ranks(), "vllm": self.vllm.families()}
         return render_metrics(snap)
 
     async def health(self) -> dict[str, Any]:

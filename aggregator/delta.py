@@ -12,6 +12,8 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
+from aggregator.request_stats import RequestFigures
+from kvcache.residency import BlockStats
 from kvcache.stats import COUNTER_KEYS, KV_CACHE_STATS_KEYS, NUM_COUNTERS, camel
 
 NUM_GAUGES = 14  # primary then secondary: max, free, used, evictable, peak free, peak used, peak evictable
@@ -85,11 +87,13 @@ class RankLayout:
 
 @dataclass(frozen=True, slots=True)
 class RankDelta:
-    """One rank's iteration: who sent it and its packed row (see RankLayout.parts)."""
+    """One rank's iteration: who sent it, its packed row (see RankLayout.parts) and its block residency and
+    tier-copy times (None when it had none)."""
 
     rank: int
     incarnation: str
     row: np.ndarray
+    blocks: BlockStats | None = None
 
 
 def pack(layout: RankLayout, counters, gauges, kv_stats, sched) -> np.ndarray:
@@ -113,6 +117,7 @@ class Iteration:
     missing: tuple[int, ...] = ()
     engine: dict[str, int] = field(default_factory=dict)  # ENGINE_FIGURES
     routing: dict | None = None  # the placement figures of the iteration (engine/placement.py), if any
+    requests: RequestFigures | None = None  # per dp group: request times and token counts (vLLM's metrics)
 
 
 # the engine's figures for an iteration (TensorRT-LLM names), ints but the queue latency

@@ -105,6 +105,7 @@ class _Snapshot:
 
     def collect(self):
         yield from collect_families(self.snap)
+        yield from self.snap.get("vllm") or ()  # vLLM's names (aggregator/vllm_metrics.py)
 
 
 def _family(name: str, kind: str, helptext: str, labels: tuple[str, ...]):

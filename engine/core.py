@@ -38,6 +38,7 @@ from engine.errors import (
 )
 from engine.placement import Router
 from engine.recovery import GroupRecovery, Orphans
+from engine.request_times import RequestRecorder
 from engine.scheduler import Group, Request, TokenEvent, apply_result, figures, plan_group
 from engine.stats_channel import StatsChannel
 from engine.transport import StepFailure, Transport, make_transport, step_all
@@ -94,6 +95,7 @@ class Engine(GroupRecovery):
         self._loop_task: asyncio.Task | None = None
         self._ids = itertools.count()
         self._completed = 0  # requests finished in the iteration being applied
+        self.recorder = RequestRecorder(c.served_model_name, c.cache.max_seq_len, c.dp)
 
     # ---- lifecycle --------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -233,6 +235,7 @@ class Engine(GroupRecovery):
         if req is None or req.done:
             return
         req.done = True
+        self.recorder.finish(req, "abort", time.monotonic())
         self._orphans.remove(req)
         if req.dp < 0:
             return
@@ -322,11 +325,13 @@ class Engine(GroupRecovery):
                 elif res is not None:
                     progress = progress or bool(res.ran or res.failed)
                     self.router.observe(dp, res, self._requests)
+                    self.recorder.step(dp, res, self._requests)
                     self._apply(self._groups[dp], res)
+            requests = self.recorder.take(self._groups)
             if self.stats is not None:
                 engine = figures(self._groups, plans, self.config, self._completed)
                 self.stats.put(Iteration(self.iteration, time.time(), deltas, missing, engine,
-                                         self.router.take_record()))
+                                         self.router.take_record(), requests))
             self.iteration += 1
             self.steps += 1
             if self.error:
@@ -341,6 +346,7 @@ class Engine(GroupRecovery):
 
     def _finish_failed(self, g: Group, req: Request, error: BaseException) -> None:
         g.finish(req)
+        self.recorder.finish(req, "error", time.monotonic())
         self._requests.pop(req.id, None)
         self._poke()
         req.queue.put_nowait(error)
@@ -350,6 +356,7 @@ class Engine(GroupRecovery):
             g.failures = 0  # it serves again: failures "in a row" start over
         self.preemptions += len(res.recomputed) + len(res.suspended)
         for req, ev in apply_result(g, res, self._requests, self.tokenizer.eos_token_ids):
+            self.recorder.event(req, getattr(ev, "finish_reason", None), not isinstance(ev, TokenEvent))
             if req.done:
                 self._requests.pop(req.id, None)
                 self._completed += isinstance(ev, TokenEvent)

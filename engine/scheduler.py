@@ -16,6 +16,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.errors import RequestFailed
+from engine.request_times import RequestTimes
 from workers.sampling_params import SamplingParams
 from workers.step import NewRequest, StepPlan, StepResult, Work
 
@@ -47,6 +48,7 @@ class Request:
     counted: bool = False  # in a record's `routing` (once, on the group of its first commit: not again if moved)
     hit_tokens: int = 0  # prompt tokens its placement expects the rank to find cached (the group's load)
     queued_at: float = field(default_factory=time.monotonic)  # since when it waits for a place on a group
+    times: RequestTimes = field(default_factory=RequestTimes)  # for vLLM's request metrics
 
     @property
     def total(self) -> int:
@@ -136,6 +138,7 @@ def plan_group(g: Group, iteration: int, s: EngineConfig) -> StepPlan:
     while g.waiting and len(g.running) < s.max_num_seqs:
         req = g.waiting.popleft()
         g.admitted.append(now - req.queued_at)
+        req.times.scheduled = req.times.scheduled or now
         # a re-queued request prefills what it already generated too, and its sampler goes on where it was
         plan.new.append(NewRequest(req.id, req.prompt + req.generated, req.params, req.cache_salt,
                                    drawn=len(req.generated), block_keys=req.block_keys))

@@ -25,6 +25,7 @@ from kvcache.config import KVCacheManagerConfig, derive_layout, split_quota
 from kvcache.events import EventRecorder, root_key
 from kvcache.pending import PendingStats
 from kvcache.pool import Page, SlotPool
+from kvcache.residency import Residency, now
 from kvcache.stats import (
     ALLOC_NEW,
     ALLOC_TOTAL,
@@ -43,7 +44,7 @@ from kvcache.stats import (
     KVCacheStatsDelta,
     PoolGroupSnapshot,
 )
-from kvcache.tree import Node
+from kvcache.tree import Node, last_missing
 
 log = logging.getLogger("kvfleet.kvcache")
 
@@ -79,6 +80,7 @@ class KVCacheManager:
         self._lc_meta = [{"id": c.id, "pool_group": c.pool_group, "window_key": c.window_key, "kind": c.kind}
                          for c in self.life_cycles]
         self._dirty = False  # a gauge may have changed since the peaks were last sampled
+        self.residency = Residency()  # block residency and tier-copy times, drained with each delta
         self._roots: dict = {}
         # KV events follow the first life cycle that never goes stale (kvcache/events.py); None while off
         self.anchor_lc = next((c.id for c in self.life_cycles if not c.attention.can_go_stale), 0)
@@ -188,6 +190,7 @@ class KVCacheManager:
 
     def hold(self, page: Page) -> None:
         """An inactive request takes a page (a reuse match): it is no longer evictable."""
+        self.residency.hit(page, now())
         pg = self.pool_group_of[page.lc]
         if page.ref == 0:
             (self._primary if page.tier == 0 else self._secondary)[pg].remove_evictable(page)
@@ -213,6 +216,7 @@ class KVCacheManager:
             pool = self._secondary[pg]
             if page.ref:
                 return
+        page.idle = now()
         if page.node is not None:
             pool.add_evictable(page)
         else:
@@ -250,7 +254,9 @@ class KVCacheManager:
         pg = self.pool_group_of[lc]
         page = Page(lc, 0, slot, priority, held=True)
         from_pool = self._primary[pg] if src.tier == 0 else self._secondary[pg]
+        t = now()
         self._primary[pg].tensor[slot].copy_(from_pool.tensor[src.slot])
+        self.residency.copied(0, src.tier, t)
         if record:
             if src.tier == 0:
                 self._count(lc, COPY, COPY_BYTES)
@@ -279,7 +285,11 @@ class KVCacheManager:
         """Copy a page into `slot` of the other tier and free its old slot."""
         src = self._pool(page)
         dst = (self._primary if tier == 0 else self._secondary)[self.pool_group_of[page.lc]]
+        t = now()
         dst.tensor[slot].copy_(src.tensor[page.slot])
+        self.residency.copied(tier, 1 - tier, t)
+        if tier == 0:  # back on the primary tier: a new residency there
+            page.born = page.touched = page.idle = t
         src.free.append(page.slot)
         page.tier, page.slot = tier, slot
         if self.kv_events is not None and page.node is not None and page.lc == self.anchor_lc:
@@ -311,6 +321,7 @@ class KVCacheManager:
             self._count(page.lc, OFFLOAD, OFFLOAD_BYTES)
 
     def _evict_primary(self, page: Page, record: bool) -> None:
+        self.residency.evicted(page, now())
         s = self._secondary[self.pool_group_of[page.lc]]
         if s is not None and (s.free or s.num_evictable):
             self._offload(page, record)
@@ -380,21 +391,10 @@ class KVCacheManager:
             for lc, cycle in enumerate(self.life_cycles):
                 while n > 0:
                     start, end = cycle.attention.stale_range(n)
-                    missing = _last_missing(holders, lc, cdiv(n, B), start, end)
+                    missing = last_missing(holders, lc, cdiv(n, B), start, end)
                     if missing < 0:
                         break
                     n = missing * B
                     changed = True
         return n
 
-
-def _last_missing(holders: list, lc: int, nb: int, start: int, end: int) -> int:
-    """The highest ordinal below nb and outside the stale range [start, end) whose holder has no page of
-    life cycle lc, or -1."""
-    for o in range(nb - 1, end - 1, -1):
-        if holders[o].pages[lc] is None:
-            return o
-    for o in range(start - 1, -1, -1):
-        if holders[o].pages[lc] is None:
-            return o
-    return -1

@@ -9,11 +9,13 @@ only by inactive requests, so they may be offloaded).
 
 import torch
 
+from kvcache.residency import now
+
 DEFAULT_PRIORITY = 35  # TensorRT-LLM's default retention priority; lower is evicted first
 
 
 class Page:
-    __slots__ = ("lc", "tier", "slot", "ref", "active_ref", "node", "priority")
+    __slots__ = ("lc", "tier", "slot", "ref", "active_ref", "node", "priority", "born", "touched", "idle")
 
     def __init__(self, lc: int, tier: int, slot: int, priority: int = DEFAULT_PRIORITY, held: bool = False) -> None:
         self.lc = lc  # life cycle id
@@ -23,6 +25,8 @@ class Page:
         # ref: requests holding the page; active_ref: of those, the active (resumed) ones
         self.node = None  # the reuse-tree node that publishes it, if any
         self.priority = priority
+        # residency (kvcache/residency.py): allocated on the primary tier, last accessed, last released
+        self.born = self.touched = self.idle = now()
 
 
 class SlotPool:

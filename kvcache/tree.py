@@ -59,3 +59,15 @@ class Node:
                 del parent.by_first[node.tokens[0]]
             node.parent = None
             node = parent
+
+
+def last_missing(holders: list, lc: int, nb: int, start: int, end: int) -> int:
+    """The highest ordinal below nb and outside the stale range [start, end) whose holder has no page of
+    life cycle lc, or -1."""
+    for o in range(nb - 1, end - 1, -1):
+        if holders[o].pages[lc] is None:
+            return o
+    for o in range(start - 1, -1, -1):
+        if holders[o].pages[lc] is None:
+            return o
+    return -1

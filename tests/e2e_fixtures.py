@@ -4,6 +4,7 @@ Started once on the session `ray_cluster` with small CPU reservations, on a free
 people's clusters may hold Serve's default 8000), and deleted at the end of the session.
 """
 
+import contextlib
 import pathlib
 import socket
 import subprocess
@@ -68,9 +69,10 @@ def serve_app(ray_cluster) -> str:
     serve.delete(E2E_APP_NAME)
 
 
-def prometheus_query(target: str, query: str, workdir: pathlib.Path, timeout_s: float = 60) -> list[dict]:
-    """Run a real Prometheus server (loopback, free port) scraping http://TARGET/metrics every second,
-    and return the first non-empty result of the PromQL `query`. The server is always killed after."""
+@contextlib.contextmanager
+def prometheus_server(target: str, workdir: pathlib.Path):
+    """A real Prometheus server (loopback, free port) scraping http://TARGET/metrics every second; yields its
+    base URL. The server is always killed after."""
     port = free_port()
     config = workdir / "prometheus.yml"
     config.write_text(
@@ -86,21 +88,8 @@ def prometheus_query(target: str, query: str, workdir: pathlib.Path, timeout_s: 
             stdout=subprocess.DEVNULL, stderr=log,
         )
     try:
-        deadline = time.monotonic() + timeout_s
-        last: object = "no answer"
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"prometheus exited ({proc.returncode}): {log_path.read_text()[-2000:]}")
-            try:
-                r = httpx.get(f"http://127.0.0.1:{port}/api/v1/query", params={"query": query}, timeout=5)
-                last = r.json() if r.status_code == 200 else r.text
-                result = last.get("data", {}).get("result", []) if isinstance(last, dict) else []
-                if result:
-                    return result
-            except httpx.HTTPError as exc:
-                last = repr(exc)
-            time.sleep(1.0)  # poll interval (one scrape interval)
-        raise TimeoutError(f"no PromQL answer for {query!r} in {timeout_s}s; last: {last}")
+        proc.log_path = log_path
+        yield f"http://127.0.0.1:{port}", proc
     finally:
         proc.terminate()
         try:
@@ -108,3 +97,30 @@ def prometheus_query(target: str, query: str, workdir: pathlib.Path, timeout_s: 
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=15)
+
+
+def instant_query(base: str, proc, query: str) -> list[dict] | None:
+    """The result of one instant PromQL query, or None while the server does not answer."""
+    if proc.poll() is not None:
+        raise RuntimeError(f"prometheus exited ({proc.returncode}): {proc.log_path.read_text()[-2000:]}")
+    try:
+        r = httpx.get(f"{base}/api/v1/query", params={"query": query}, timeout=5)
+    except httpx.HTTPError:
+        return None
+    if r.status_code == 503:  # still starting
+        return None
+    if r.status_code != 200:
+        raise AssertionError(f"PromQL {query!r} was refused: {r.text[:500]}")
+    return r.json()["data"]["result"]
+
+
+def prometheus_query(target: str, query: str, workdir: pathlib.Path, timeout_s: float = 60) -> list[dict]:
+    """The first non-empty result of the PromQL `query` on a Prometheus server scraping TARGET."""
+    with prometheus_server(target, workdir) as (base, proc):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            result = instant_query(base, proc, query)
+            if result:
+                return result
+            time.sleep(1.0)  # poll interval (one scrape interval)
+        raise TimeoutError(f"no PromQL answer for {query!r} in {timeout_s}s")

@@ -170,7 +170,12 @@ def test_metrics_pass_promtool(serve_app):
     assert REUSED_METRIC in r.text
     check = subprocess.run(["promtool", "check", "metrics"], input=r.text, capture_output=True, text=True,
                            timeout=60)
-    assert check.returncode == 0, check.stdout + check.stderr
+    # the one lint promtool has against vLLM's own names (kept exactly, for vLLM's dashboards): their colons,
+    # and vllm:iteration_tokens_total, a histogram named like a counter. Anything else (or a parse error) fails.
+    problems = [line for line in (check.stdout + check.stderr).splitlines() if line.strip()]
+    vllm_lint = ("metric names should not contain ':'", 'non-counter metrics should not have "_total" suffix')
+    assert all(line.startswith("vllm:") and line.endswith(vllm_lint) for line in problems), problems
+    assert check.returncode in (0, 3), check.stdout + check.stderr  # 3: lint problems only
 
 
 @pytest.mark.skipif(shutil.which("prometheus") is None, reason="prometheus not installed (make tools)")

@@ -23,6 +23,8 @@ from tests.test_k8s_manifests import (
     rayservice,
 )
 
+VLLM_DASHBOARDS = [K8S / "monitoring" / "vllm_kv_cache.json", K8S / "monitoring" / "vllm_overview.json"]
+
 # --- kustomize -------------------------------------------------------------------------------------------
 
 
@@ -43,7 +45,10 @@ def test_kustomize_renders_everything():
     sources = [d for path in listed for d in load_docs(K8S / path)]
     key = lambda d: (d["kind"], d["metadata"]["name"])  # noqa: E731
     rendered = {key(d): d for d in docs}
-    assert sorted(rendered) == sorted([key(d) for d in sources] + [("ConfigMap", "kvfleet-grafana-dashboard")])
+    dashboards = {"kvfleet-grafana-dashboard": ("kvfleet.json", DASHBOARD),
+                  "kvfleet-vllm-kv-cache-dashboard": ("vllm_kv_cache.json", VLLM_DASHBOARDS[0]),
+                  "kvfleet-vllm-overview-dashboard": ("vllm_overview.json", VLLM_DASHBOARDS[1])}
+    assert sorted(rendered) == sorted([key(d) for d in sources] + [("ConfigMap", name) for name in dashboards])
     for doc in sources:
         assert rendered[key(doc)] == doc, key(doc)
     kinds = {d["kind"] for d in docs}
@@ -52,10 +57,11 @@ def test_kustomize_renders_everything():
     for doc in docs:
         if doc["kind"] in {"NetworkPolicy", "PodDisruptionBudget", "Deployment", "Service", "PersistentVolumeClaim"}:
             k8s_validate(doc)
-    dashboard_cm = rendered[("ConfigMap", "kvfleet-grafana-dashboard")]
-    k8s_validate(dashboard_cm)
-    assert dashboard_cm["metadata"]["labels"]["grafana_dashboard"] == "1"
-    assert json.loads(dashboard_cm["data"]["kvfleet.json"]) == json.loads(DASHBOARD.read_text())
+    for name, (key_name, path) in dashboards.items():
+        dashboard_cm = rendered[("ConfigMap", name)]
+        k8s_validate(dashboard_cm)
+        assert dashboard_cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+        assert json.loads(dashboard_cm["data"][key_name]) == json.loads(path.read_text())
 
 
 def monitors() -> dict[str, dict[str, Any]]:

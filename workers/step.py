@@ -82,3 +82,4 @@ class StepResult:
     kv_events: list[KVEvent] | None = None  # this step's KV events (plan.kv_events, tp rank 0)
     first_reuse: dict[str, int] = field(default_factory=dict)  # request id -> reused blocks of its first commit
     free_blocks: int = -1  # free primary blocks after the step (with KV events)
+    reused_host: dict[str, int] = field(default_factory=dict)  # new request id -> of its reused tokens, on host

@@ -130,7 +130,7 @@ class RankWorker:
         self.kv.set_kv_events(events, plan.kv_resync)
         # suspended before this step: those that run in it are resumed (iterResumedRequests); stats only
         was_suspended = self._suspended() if recording else set()
-        reused, cached = self._open_new(plan.new, failed)
+        reused, reused_host, cached = self._open_new(plan.new, failed)
         runs, deferred, recomputed, suspended = self._make_room(self._scheduled(plan.work))
         logits = self._forward(runs, failed)
         if logits is None:
@@ -138,7 +138,7 @@ class RankWorker:
         ran, first_reuse = self._commit(runs, self._sample(runs, logits, failed), failed)
         step_s = time.perf_counter() - t0
         out = StepResult(plan.iteration, ran, deferred, recomputed, suspended, reused, step_s, failed,
-                         first_reuse=first_reuse)
+                         first_reuse=first_reuse, reused_host=reused_host)
         if recording:
             generating = {w.request_id for w in plan.work if w.append is not None}
             out.delta = self._delta(self._figures(step_s, runs, generating, deferred, suspended, was_suspended,
@@ -157,10 +157,12 @@ class RankWorker:
     def _suspended(self) -> set[str]:
         return {rid for rid, r in self.reqs.items() if r.kv is not None and not r.kv.is_active}
 
-    def _open_new(self, new_requests: list[NewRequest], failed: dict[str, str]) -> tuple[dict[str, int], list[int]]:
-        """Create the new requests' caches: (tokens each reused, tokens all found cached on the primary / the
-        host tier)."""
+    def _open_new(self, new_requests: list[NewRequest],
+                  failed: dict[str, str]) -> tuple[dict[str, int], dict[str, int], list[int]]:
+        """Create the new requests' caches: (tokens each reused, of those the ones on the host tier, tokens all
+        found cached on the primary / the host tier)."""
         reused: dict[str, int] = {}
+        reused_host: dict[str, int] = {}
         cached = [0, 0]
         for new in new_requests:
             req = self.reqs[new.request_id] = _Req(new, self.device)
@@ -170,9 +172,12 @@ class RankWorker:
                 self._fail(req, e, failed)
                 continue
             reused[req.id] = req.kv.num_reused_tokens
-            for level, tokens in enumerate([] if new.warmup else req.kv.cached_tokens_by_level):
+            levels = req.kv.cached_tokens_by_level
+            if len(levels) > 1 and levels[1]:
+                reused_host[req.id] = levels[1]
+            for level, tokens in enumerate([] if new.warmup else levels):
                 cached[level] += tokens
-        return reused, cached
+        return reused, reused_host, cached
 
     def _scheduled(self, work: list[Work]) -> list[Work]:
         """The plan's work on requests this rank holds, in priority order, with last step's sampled tokens."""
@@ -315,7 +320,7 @@ class RankWorker:
         report = self.kv.get_iteration_stats()
         gauges = [pg.primary + pg.secondary for pg in report.pool_groups]
         row = pack(self.layout, report.counters, gauges, astuple(self.kv.get_kv_cache_stats()), astuple(figures))
-        return RankDelta(self.spec.rank, self.incarnation, row)
+        return RankDelta(self.spec.rank, self.incarnation, row, self.kv.residency.drain())
 
     def _memory(self) -> tuple[int, int, int]:
         """(GPU, CPU resident, pinned host) bytes this rank uses: TensorRT-LLM's gpu/cpu/pinnedMemUsage."""
