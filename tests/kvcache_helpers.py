@@ -57,6 +57,14 @@ def run_prompt(mgr, rid, prompt, extra=0, close=True, salt=None, resume=True):
     return kv
 
 
+def track(kv, prompt: list[int], prompts: dict, caches: list, rng) -> None:
+    """A random workload's new cache: remembered with its prompt; half of them start active."""
+    prompts[id(kv)] = prompt
+    caches.append(kv)
+    if rng.random() < 0.5:
+        kv.resume()
+
+
 def random_cache_op(op: str, kv, rng, prompt: list[int], max_len: int) -> None:
     """One of the random workloads' operations on a live cache: resume, suspend, resize, or commit (when it
     has room) what follows `prompt` in its history."""

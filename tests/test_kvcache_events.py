@@ -10,7 +10,7 @@ from engine.kv_index import KVIndex
 from kvcache import AttentionLayerConfig as L
 from kvcache import KVCacheManager, KVCacheManagerConfig
 from kvcache.events import CLEARED, MOVED, REMOVED, STORED, block_key, prompt_keys, reuse_table, root_key
-from tests.kvcache_helpers import random_cache_op, small_manager, tree_blocks
+from tests.kvcache_helpers import random_cache_op, small_manager, track, tree_blocks
 
 F = torch.float32
 LAYOUTS = {
@@ -48,11 +48,7 @@ def test_the_index_equals_the_tree_after_random_workloads(layout, B, host, slots
             prompt = prompt or [0]
             salt = rng.choice([None, None, "s"])
             keys = prompt_keys(prompt, B, salt) if rng.random() < 0.5 else None  # precomputed, or hashed by the rank
-            kv = mgr.create_kv_cache(n, prompt, cache_salt=salt, block_keys=keys)
-            prompts[id(kv)] = prompt
-            caches.append(kv)
-            if rng.random() < 0.5:
-                kv.resume()
+            track(mgr.create_kv_cache(n, prompt, cache_salt=salt, block_keys=keys), prompt, prompts, caches, rng)
         else:
             kv = rng.choice(live)
             if op == "close":

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from kvcache import AttentionLayerConfig as L
 from kvcache import KVCacheError, KVCacheManager, KVCacheManagerConfig
 from kvcache.stats import ALLOC_TOTAL, MISSED, NUM_COUNTERS, REUSED
-from tests.kvcache_helpers import random_cache_op
+from tests.kvcache_helpers import random_cache_op, track
 
 F = torch.float32
 LAYOUTS = {
@@ -91,10 +91,7 @@ def test_random_operations_keep_every_invariant(layout, config, slots, ops):
             prompt = (rng.choice(PREFIXES) + [rng.randint(0, 3) for _ in range(rng.randint(0, 10))])[:MAX_LEN - 4]
             kv = mgr.create_kv_cache(n, prompt or [0], cache_salt=rng.choice([None, None, "s"]),
                                      exclude_from_stats=rng.random() < 0.1)
-            prompts[id(kv)] = prompt or [0]
-            caches.append(kv)
-            if rng.random() < 0.5:
-                kv.resume()
+            track(kv, prompt or [0], prompts, caches, rng)
         else:
             kv = rng.choice(live)
             if op == "stats":
