@@ -9,7 +9,10 @@ Rows (targets of issue 12):
 - 20 clients as fast as they can: `/stats?since=<latest>` vs `/v1/models` (the Serve floor): ratio >= 0.9;
 - 100 `/stats/stream` subscribers: lag p99 < 100 ms (lag = parse time - the record's `timestamp`);
 - the completion path through the split: a 1-token completion over HTTP (ingress -> engine handle) vs the
-  same request sent straight to the engine deployment's handle (no HTTP, no ingress), p50 of each.
+  same request sent straight to the engine deployment's handle (no HTTP, no ingress), p50 of each;
+- 100 `/stats/stream` subscribers of a simulated 100 records/s source (bench/stats_source.py: the real ingress,
+  no engine) at `interval_ms` 0 vs 500 (issue 28): proxy + ingress CPU per record, lag p99. `--sim-only`
+  runs this row alone.
 
 The readers run in a process of their own (a dashboard is another client than the one generating), and on
 this shared machine they read every byte but decode only what they measure by (a poll's cursor, an event's
@@ -88,10 +91,11 @@ async def _hammer(http: httpx.AsyncClient, stop: asyncio.Event, path: str, param
 
 
 async def _subscriber(http: httpx.AsyncClient, stop: asyncio.Event, since: int, got: list[int],
-                      lags: list[float]) -> None:
+                      lags: list[float], interval_ms: int = 0) -> None:
     """Reads every event; decodes its `id:` (the iteration) and the record's timestamp, which the compact
     record text carries right after its iteration."""
-    async with http.stream("GET", "/stats/stream", params={"since": since}, timeout=None) as resp:
+    params = {"since": since, "interval_ms": interval_ms}
+    async with http.stream("GET", "/stats/stream", params=params, timeout=None) as resp:
         async for line in resp.aiter_lines():
             if line.startswith("id: "):
                 got.append(int(line[4:]))
@@ -113,7 +117,7 @@ async def _latest_iter(http: httpx.AsyncClient) -> int:
 
 
 ROLES = {"ProxyActor": "proxy", "KVFleetIngress": "ingress", "KVFleetEngine": "engine", "RankWorker": "ranks",
-         "StatsAggregator": "aggregator"}
+         "StatsAggregator": "aggregator", "SimulatedStats": "source"}
 
 
 def _cpu_times() -> dict[int, tuple[str, float]]:
@@ -137,12 +141,12 @@ def _cpu_since(before: dict[int, tuple[str, float]], seconds: float) -> dict[str
     for pid, (role, t) in _cpu_times().items():
         if pid in before:
             used[role] += 100 * (t - before[pid][1]) / seconds
-    return {f"cpu_{role}": round(used[role]) for role in (*ROLES.values(), "ray-other")}
+    return {f"cpu_{role}": round(used[role], 1) for role in (*ROLES.values(), "ray-other")}
 
 
-def _readers(kind: str, url: str, n: int, ready, stop, send) -> None:
-    """The reader process: `n` pollers (each once a second) or SSE subscribers until `stop` is set; sends back
-    its figures and the CPU it used itself."""
+def _readers(kind: str, url: str, n: int, interval_ms: int, ready, stop, send) -> None:
+    """The reader process: `n` pollers (each once a second) or SSE subscribers (at `interval_ms`) until `stop`
+    is set; sends back its figures and the CPU it used itself."""
 
     async def run() -> dict:
         limits = httpx.Limits(max_connections=n + 10, max_keepalive_connections=n + 10)
@@ -154,7 +158,7 @@ def _readers(kind: str, url: str, n: int, ready, stop, send) -> None:
                 tasks = [asyncio.create_task(_poller(http, stopping, lat, 1.0)) for _ in range(n)]
             else:
                 since = await _latest_iter(http)
-                tasks = [asyncio.create_task(_subscriber(http, stopping, since, g, lat)) for g in got]
+                tasks = [asyncio.create_task(_subscriber(http, stopping, since, g, lat, interval_ms)) for g in got]
             ready.set()
             cpu0, t0 = time.process_time(), time.perf_counter()
             await asyncio.to_thread(stop.wait)
@@ -175,14 +179,15 @@ def _readers(kind: str, url: str, n: int, ready, stop, send) -> None:
     send.send(asyncio.run(run()))
 
 
-async def _phase(url: str, duration: float, traffic: int, readers: tuple[str, int] | None = None) -> dict:
+async def _phase(url: str, duration: float, traffic: int, readers: tuple[str, int] | None = None,
+                 interval_ms: int = 0) -> dict:
     """`traffic` completion workers for `duration` s, with `readers` (kind, count) in a process of their own."""
     proc = None
     if readers is not None:
         ctx = mp.get_context("spawn")
         ready, stop = ctx.Event(), ctx.Event()
         recv, send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_readers, args=(*readers[:1], url, readers[1], ready, stop, send))
+        proc = ctx.Process(target=_readers, args=(readers[0], url, readers[1], interval_ms, ready, stop, send))
         proc.start()
         if not await asyncio.to_thread(ready.wait, 120):
             raise RuntimeError("the reader process did not start")
@@ -240,22 +245,51 @@ async def completion_overhead(url: str, app_name: str | None, n: int = 20) -> di
     return {"http_p50_ms": 1e3 * _pct(http_lat, 0.5), "engine_handle_p50_ms": 1e3 * _pct(handle_lat, 0.5)}
 
 
-def _start_local_app() -> str:
+async def simulated_rows(url: str, duration: float, subscribers: int, rate: float) -> list[tuple[str, dict]]:
+    """`subscribers` SSE readers of the simulated source at interval 0 and 500 ms: the proxy's and the
+    ingress's CPU per record emitted (all subscribers; and per subscriber), lag, and the share delivered."""
+    rows, per = [], {}
+    for interval in (0, 500):
+        r = await _phase(url, duration, 0, ("subscribers", subscribers), interval)
+        cpu_s = (r["cpu_proxy"] + r["cpu_ingress"]) / 100 / rate  # CPU seconds per record emitted
+        per[interval] = (cpu_s, r["lag_p99_ms"])
+        rows.append((f"sse, {subscribers} subs, {rate:g} rec/s, {interval} ms", {
+            k: r[k] for k in ("cpu_proxy", "cpu_ingress", "cpu_source", "cpu_readers", "lag_p50_ms", "lag_p99_ms",
+                              "out_of_order")} | {
+            "delivered_share": r["records_delivered"] / (subscribers * rate * duration),
+            "proxy_ingress_ms_per_record": 1e3 * cpu_s, "us_per_record_and_sub": 1e6 * cpu_s / subscribers}))
+    rows.append(("  500 ms / 0 ms", {"cpu_per_record_ratio": per[500][0] / per[0][0],
+                                     "lag_p99_ratio": per[500][1] / per[0][1]}))
+    return rows
+
+
+def _start_serve() -> str:
     import ray
     from ray import serve
 
-    from deployment import build_app
-
     sys.path.insert(0, "tests")
-    from e2e_fixtures import E2E_SETTINGS, free_port, wait_healthy
+    from e2e_fixtures import free_port
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(E2E_SETTINGS), name="kvfleet-bench", route_prefix="/")
-    url = f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{port}"
+
+
+def _run_app(base: str, app, name: str, prefix: str) -> str:
+    from e2e_fixtures import wait_healthy
+    from ray import serve
+
+    serve.run(app, name=name, route_prefix=prefix)
+    url = base + prefix.rstrip("/")
     wait_healthy(url, 300)
     return url
+
+
+def _print(rows: list[tuple[str, dict]]) -> None:
+    for name, row in rows:
+        print(f"{name:36s} " + "  ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
+                                         for k, v in row.items()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -265,8 +299,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pollers", type=int, default=50)
     p.add_argument("--subscribers", type=int, default=100)
     p.add_argument("--traffic", type=int, default=2, help="concurrent background completion requests")
+    p.add_argument("--sim-rate", type=float, default=100.0, help="records/s of the simulated source")
+    p.add_argument("--sim-only", action="store_true", help="only the simulated source's rows (starts no engine)")
     a = p.parse_args(argv)
-    url = a.url or _start_local_app()
+    serve_url = None if a.url else _start_serve()
+    if a.sim_only:
+        from stats_source import simulated_app  # beside this script
+
+        url = _run_app(serve_url, simulated_app(a.sim_rate), "kvfleet-sim", "/sim")
+        _print(asyncio.run(simulated_rows(url, a.duration, a.subscribers, a.sim_rate)))
+        return 0
+    if a.url:
+        url = a.url
+    else:
+        from e2e_fixtures import E2E_SETTINGS
+
+        from deployment import build_app
+
+        url = _run_app(serve_url, build_app(E2E_SETTINGS), "kvfleet-bench", "/")
     app_name = None if a.url else "kvfleet-bench"
     base = asyncio.run(_phase(url, a.duration, a.traffic))
     polled = asyncio.run(_phase(url, a.duration, a.traffic, ("pollers", a.pollers)))
@@ -284,9 +334,12 @@ def main(argv: list[str] | None = None) -> int:
             **sse, "completions_ratio": sse["completions_per_s"] / base["completions_per_s"]}),
         ("1-token completion", {**split, "split_overhead_ms": split["http_p50_ms"] - split["engine_handle_p50_ms"]}),
     ]
-    for name, row in rows:
-        print(f"{name:36s} " + "  ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
-                                         for k, v in row.items()))
+    if serve_url is not None:  # the simulated source beside the idle app (its engine's ranks stay idle)
+        from stats_source import simulated_app  # beside this script
+
+        sim = _run_app(serve_url, simulated_app(a.sim_rate), "kvfleet-sim", "/sim")
+        rows += asyncio.run(simulated_rows(sim, a.duration, a.subscribers, a.sim_rate))
+    _print(rows)
     return 0
 
 

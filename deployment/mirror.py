@@ -23,6 +23,7 @@ from deployment.sse import format_comment, format_event
 
 logger = logging.getLogger("kvfleet.deployment")
 PRIME_TIMEOUT_S = 5.0
+CHUNK = 1000  # records a reader takes from the mirror at once: one SSE write at most
 
 
 class Upstream(Protocol):
@@ -99,7 +100,7 @@ class StatsMirror:
 
     async def _wait(self, since: int, timeout_s: float) -> list[dict]:
         await self._ready()
-        return await self._changes.wait(lambda: self._records.since(since, 1000), timeout_s)
+        return await self._changes.wait(lambda: self._records.since(since, CHUNK), timeout_s)
 
     # ---- what the routes read
 
@@ -124,18 +125,25 @@ class StatsMirror:
     async def wait_records(self, since: int, timeout_s: float) -> list[dict]:
         return [e["record"] for e in await self._wait(since, timeout_s)]
 
-    async def events(self, since: int) -> AsyncIterator[str]:
-        """SSE text for every record with iter > since, forever (keepalive comments while idle). A reader
-        behind the mirror's window resumes at its oldest record."""
+    async def events(self, since: int, interval_s: float = 0.0) -> AsyncIterator[str]:
+        """SSE text for every record with iter > since, forever (keepalive comments while idle). Each yield is
+        one write. With `interval_s` writes are that far apart at least, each with the records since the last
+        (up to CHUNK: a backlog comes at once), so a subscriber costs the proxy a write per interval, not one
+        per record. A reader behind the mirror's window resumes at its oldest record."""
         self.subscribers += 1
         try:
-            last = since
+            last, wrote = since, float("-inf")
             while True:
                 got = await self._wait(last, self.keepalive_s)
                 if not got:
                     yield format_comment("keepalive")
                     continue
+                early = wrote + interval_s - time.monotonic()
+                if early > 0:
+                    await asyncio.sleep(early)
+                    got = self._records.since(last, CHUNK)
                 last = got[-1]["iter"]
+                wrote = time.monotonic() if len(got) < CHUNK else float("-inf")  # a full one: behind, go on
                 yield "".join(format_event(e["json"], id=e["iter"], event="stats") for e in got)
         finally:
             self.subscribers -= 1

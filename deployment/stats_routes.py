@@ -13,6 +13,9 @@ from deployment.sse import last_event_id as read_last_event_id
 
 STATS_PAGE = 100  # records a /stats page holds by default (~0.5 MB): the whole buffer is ~46 MB
 MAX_STATS_PAGE = 1000
+# a stream's longest write interval: at a GPU's 100 records/s, 10 s is a mirror read's 1,000 records (~5 MB
+# in one write); a reader that wants records less often than that should poll /stats
+MAX_STREAM_INTERVAL_MS = 10_000
 TRTLLM_LIMIT = 100  # records GET /trtllm/metrics returns by default
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LIST = {"content": {"application/json": {"schema": {"type": "array", "items": {"type": "object"}}}}}
@@ -57,15 +60,20 @@ def stats_router(stats: StatsMirror, world_size: int) -> APIRouter:
         return Response(body, media_type="application/json", headers=headers)
 
     @router.get("/stats/stream", response_class=StreamingResponse, responses={200: {
-        "description": "the records as Server-Sent Events (id: iteration); resume with Last-Event-ID",
+        "description": "the records as Server-Sent Events (id: iteration); resume with Last-Event-ID; with "
+        "interval_ms, the events of each interval arrive in one write",
         "content": {"text/event-stream": {"schema": SSE_EVENT}}}})
-    async def stats_stream(request: Request, since: int | None = Query(None, ge=-1)) -> Response:
+    async def stats_stream(request: Request, since: int | None = Query(None, ge=-1),
+                           interval_ms: int = Query(0, ge=0, le=MAX_STREAM_INTERVAL_MS, description=(
+                               "write the records of each interval_ms as one chunk (0: each as it comes)"))
+                           ) -> Response:
         start = last_event_id(request, "an iteration number")
         if start is None:
             start = -1 if since is None else since
         elif start < -1:
             raise APIError(400, "Last-Event-ID must be >= -1", code="invalid_last_event_id", param="Last-Event-ID")
-        return StreamingResponse(stats.events(start), media_type="text/event-stream", headers=SSE_HEADERS)
+        return StreamingResponse(stats.events(start, interval_ms / 1000), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
 
     @router.get("/stats/ranks")
     async def all_ranks() -> dict:

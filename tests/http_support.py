@@ -6,7 +6,9 @@ import socket
 import threading
 import time
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -240,3 +242,27 @@ def caught_up(server, http) -> list[dict]:
         assert time.monotonic() < deadline, "the stats mirror never caught up"
         time.sleep(0.01)
     return got
+
+
+def read_chunks(url: str, path: str, done: Callable[[list[str]], bool],
+                timeout_s: float = 10) -> list[tuple[float, str]]:
+    """The HTTP/1.1 chunks of a streamed GET, each with when it arrived (time.monotonic()), until
+    `done(texts so far)`: one chunk is one write of the server's (httpx would merge and split them)."""
+    where = urlsplit(url)
+    with socket.create_connection((where.hostname, where.port), timeout=timeout_s) as sock:
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: {where.netloc}\r\nAccept: text/event-stream\r\n\r\n".encode())
+        f = sock.makefile("rb")
+        status = f.readline()
+        assert b" 200 " in status, status
+        headers = {}
+        while (line := f.readline().strip()) != b"":
+            k, _, v = line.decode().partition(":")
+            headers[k.lower()] = v.strip()
+        assert headers.get("transfer-encoding") == "chunked", headers
+        out: list[tuple[float, str]] = []
+        while not done([text for _, text in out]):
+            size = int(f.readline().split(b";")[0], 16)
+            assert size > 0, "the stream ended"
+            out.append((time.monotonic(), f.read(size).decode()))
+            assert f.read(2) == b"\r\n"
+        return out

@@ -6,6 +6,7 @@ the same history (the page resumes after Last-Event-ID) and with a fresh one (th
 """
 
 import random
+import time
 
 import pytest
 from browser_support import browser, chart_points, dashboard_state, page  # noqa: F401  (fixtures)
@@ -115,8 +116,11 @@ def wait_for_iter(page, it: int) -> None:  # noqa: F811
 
 def test_ten_thousand_records_in_a_bounded_window(app, page, tmp_path):  # noqa: F811
     app.stats.push(10_000, missing_every=1000)  # iteration 9999, the newest, is incomplete
+    streams = []
+    page.on("request", lambda r: streams.append(r.url) if "/stats/stream" in r.url else None)
     page.goto(f"{app.url}/dashboard")
     wait_for_iter(page, 9999)
+    assert streams == [f"{app.url}/stats/stream?interval_ms=500"], "the page redraws twice a second"
     st = dashboard_state(page)
     assert st["received"] == 10_000 and st["records"] == MAX_RECORDS and st["incomplete"] == 10
     for chart in ("chart-hit", "chart-blocks", "chart-reuse", "chart-requests", "chart-routing-reuse"):
@@ -163,6 +167,20 @@ def test_views_pick_one_window_or_one_pool_group(app, page):  # noqa: F811
                                            for a, f in zip(per_second[r["timestamp"][:19]], BYTES, strict=True)]
     drawn = page.evaluate("() => document.getElementById('chart-bytes').data.map(t => t.y)")
     assert drawn == [list(col) for col in zip(*per_second.values(), strict=True)]
+
+
+def test_shows_every_record_of_a_live_100_per_second_source(app, page):  # noqa: F811
+    app.stats.push(5)
+    page.goto(f"{app.url}/dashboard")
+    wait_for_iter(page, 4)
+    for _ in range(100):  # a GPU's rate: the server writes them 500 ms at a time
+        app.stats.push(1)
+        time.sleep(0.01)
+    wait_for_iter(page, 104)
+    st = dashboard_state(page)
+    assert st["received"] == 105 and st["duplicates"] == 0 and st["connects"] == 1
+    assert set(chart_points(page, "chart-hit")) == {105}
+    assert page.js_errors == []
 
 
 def test_resumes_after_last_event_id_when_the_server_comes_back(app, page):  # noqa: F811

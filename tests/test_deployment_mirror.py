@@ -108,3 +108,24 @@ def test_a_mirror_whose_follower_died_fails_the_replica_health_check():
         await m.close()
 
     asyncio.run(main())
+
+
+def test_an_interval_never_holds_back_a_backlog():
+    async def body():
+        up = Upstream()
+        up.emit(2500)
+        mirror = StatsMirror(up, keepalive_s=5.0)
+        writes: list[list[int]] = []
+
+        async def read() -> None:
+            async for chunk in mirror.events(-1, interval_s=10.0):
+                writes.append([int(line[4:]) for line in chunk.split("\n") if line.startswith("id: ")])
+                if writes[-1][-1] == 2499:
+                    return
+
+        await asyncio.wait_for(read(), 5)  # not 10 s: full chunks are a reader behind, the next goes at once
+        assert [len(w) for w in writes] == [1000, 1000, 500]
+        assert [i for w in writes for i in w] == list(range(2500))
+        await mirror.close()
+
+    asyncio.run(body())

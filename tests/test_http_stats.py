@@ -6,6 +6,8 @@ Python client, a real Prometheus scraping /metrics, and the load generator's rep
 
 import json
 import shutil
+import threading
+import time
 
 import httpx
 import pytest
@@ -13,26 +15,37 @@ from e2e_fixtures import prometheus_query
 
 from deployment.client import StatsClient, StatsError
 from deployment.sse import SSEDecoder
-from tests.http_support import _assert_openai_error, all_stats, caught_up, read_events
+from tests.http_support import _assert_openai_error, all_stats, caught_up, read_chunks, read_events
 
 BAD_STATS = [
     ("/stats?since=-2", 400), ("/stats?since=abc", 400), ("/stats?limit=-1", 400),
     ("/stats?limit=1001", 400), ("/stats?ranks=perhaps", 400), ("/stats/ranks/2", 404),
     ("/stats/ranks/-1", 404), ("/stats/ranks/x", 400), ("/stats/stream?since=-5", 400), ("/nowhere", 404),
+    ("/stats/stream?interval_ms=-1", 400), ("/stats/stream?interval_ms=10001", 400),
+    ("/stats/stream?interval_ms=0.5", 400),
 ]
+
+
+def _refused(http, path: str, status: int, **kw) -> dict:
+    """The error of a refused GET; a stream that opened instead fails at once (it would never end)."""
+    with http.stream("GET", path, **kw) as resp:
+        assert resp.status_code == status, f"{path}: {resp.status_code}"
+        resp.read()
+    return _assert_openai_error(resp, status)
 
 
 @pytest.mark.parametrize("path,status", BAD_STATS)
 def test_bad_stats_input_is_4xx(server, http, path, status):
     server.stats.add(1, 0)
     before = caught_up(server, http)
-    _assert_openai_error(http.get(path), status)
+    _refused(http, path, status)
     assert all_stats(http) == before, "a bad request changed the records"
 
 
-def test_bad_last_event_id(http):
-    _assert_openai_error(http.get("/stats/stream", headers={"Last-Event-ID": "seven"}), 400,
-                         "invalid_last_event_id")
+def test_bad_last_event_id_and_interval(http):
+    assert _refused(http, "/stats/stream", 400, headers={"Last-Event-ID": "seven"})["code"] == "invalid_last_event_id"
+    assert _refused(http, "/stats/stream?interval_ms=fast", 400)["param"] == "interval_ms"
+    assert "10000" in _refused(http, "/stats/stream?interval_ms=20000", 400)["message"]
 
 
 def test_stats_paging_and_readers_see_the_same(server, http):
@@ -82,24 +95,27 @@ def _read_events(resp: httpx.Response, n: int) -> list[tuple[str, dict]]:
     return read_events(resp, n, "stats")
 
 
-def test_sse_resume_with_last_event_id(server):
+@pytest.mark.parametrize("interval_ms", [0, 500])
+def test_sse_resume_with_last_event_id(server, interval_ms):
     for _ in range(3):
         server.stats.add(1, 1)
     all_iters = [r["iter"] for r in server.stats.records]
+    q = {"interval_ms": interval_ms}
     with httpx.Client(base_url=server.url, timeout=10) as c:
-        with c.stream("GET", "/stats/stream") as resp:
+        with c.stream("GET", "/stats/stream", params=q) as resp:
             first = _read_events(resp, 3)
         assert [int(i) for i, _ in first] == all_iters[:3]
         assert all(int(i) == rec["iter"] for i, rec in first)
-        with c.stream("GET", "/stats/stream", headers={"Last-Event-ID": first[-1][0]}) as resp:
+        with c.stream("GET", "/stats/stream", params=q, headers={"Last-Event-ID": first[-1][0]}) as resp:
             rest = _read_events(resp, len(all_iters) - 3)
         assert [r["iter"] for _, r in rest] == all_iters[3:], "resume skipped or repeated a record"
 
 
-def test_sse_delivers_new_records_and_keepalives(server):
+@pytest.mark.parametrize("interval_ms", [0, 200])
+def test_sse_delivers_new_records_and_keepalives(server, interval_ms):
     last = server.stats.records[-1]["iter"] if server.stats.records else -1
     with httpx.Client(base_url=server.url, timeout=10) as c:
-        with c.stream("GET", "/stats/stream", params={"since": last}) as resp:
+        with c.stream("GET", "/stats/stream", params={"since": last, "interval_ms": interval_ms}) as resp:
             lines = resp.iter_lines()
             assert next(lines).startswith(": keepalive")  # nothing new yet: a comment after keepalive_s
             server.stats.add(3, 0)
@@ -109,6 +125,44 @@ def test_sse_delivers_new_records_and_keepalives(server):
                 if ev is not None:
                     assert json.loads(ev.data)["iter"] == last + 1
                     break
+
+
+def _writes_while_publishing(server, interval_ms: int, n: int = 10, every_s: float = 0.05):
+    """The writes (HTTP chunks) of records on /stats/stream?interval_ms=N while n records are published
+    `every_s` apart, each (arrival, iters); and how long publishing took."""
+    base = server.stats.records[-1]["iter"] if server.stats.records else -1
+    took = []
+
+    def publish() -> None:
+        time.sleep(0.2)  # the stream is open
+        t0 = time.monotonic()
+        for _ in range(n):
+            server.stats.add(1, 0)
+            time.sleep(every_s)
+        took.append(time.monotonic() - t0)
+
+    def ids(text: str) -> list[int]:
+        return [int(line[4:]) for line in text.split("\n") if line.startswith("id: ")]
+
+    publisher = threading.Thread(target=publish)
+    publisher.start()
+    chunks = read_chunks(server.url, f"/stats/stream?since={base}&interval_ms={interval_ms}",
+                         lambda texts: sum(len(ids(t)) for t in texts) >= n)
+    publisher.join()
+    dec = SSEDecoder()
+    events = [ev for _, text in chunks for line in text.split("\n") if (ev := dec.feed(line)) is not None]
+    assert [int(ev.id) for ev in events] == [json.loads(ev.data)["iter"] for ev in events] == list(
+        range(base + 1, base + 1 + n)), "each event keeps its own id and record"
+    return [(t, ids(text)) for t, text in chunks if ids(text)], took[0]
+
+
+def test_sse_interval_writes_the_records_of_each_interval_in_one_chunk(server):
+    each, _ = _writes_while_publishing(server, 0)
+    assert len(each) >= 5, "50 ms apart, the records should come about one write each"
+    windowed, took = _writes_while_publishing(server, 400)
+    assert len(windowed[0][1]) == 1, "the first record after a quiet spell waits for nothing"
+    assert 2 <= len(windowed) <= took / 0.4 + 2, [w for _, w in windowed]
+    assert all(b - a > 0.25 for (a, _), (b, _) in zip(windowed, windowed[1:], strict=False)), "writes too close"
 
 
 def test_client_iter_stats_follows_stream(server):
