@@ -103,10 +103,17 @@ class KVCache:
         self._partial_src = n % B != 0
 
     def _count_levels(self, n: int) -> None:
-        B = self._mgr.tokens_per_block
+        levels = self.cached_tokens_by_level
+        if len(levels) == 1:  # no host tier: every reused token is on the primary
+            levels[0] = n
+            return
+        B, host = self._mgr.tokens_per_block, 0
         for o in range(cdiv(n, B)):
-            tier = max((pages[o].tier for pages in self._pages if pages[o] is not None), default=0)
-            self.cached_tokens_by_level[tier] += min(B, n - o * B)
+            for pages in self._pages:
+                if pages[o] is not None and pages[o].tier:
+                    host += min(B, n - o * B)
+                    break
+        levels[0], levels[1] = n - host, host
 
     # ---- state: num_reused_tokens <= history_length <= capacity <= max_seq_len ------------------------------
     @property

@@ -5,14 +5,15 @@ vLLM's three residency histograms, with its bucket edges: a block's lifetime (al
 between two consecutive accesses (allocation or a reuse hit -> the next hit). Only published blocks that
 nobody holds are evicted (offloaded to the host tier or dropped), as only vLLM's cached blocks are; a block
 freed unpublished is not an eviction. Each event costs O(1) on the block touched: three timestamps live on
-the `Page`, and the histograms are plain counts per bucket that a drain hands over with the iteration.
+the `Page`; the events' seconds are bucketed when a drain hands the counts over with the iteration.
 """
 
 from __future__ import annotations
 
 import time
-from bisect import bisect_left
 from dataclasses import dataclass
+
+import numpy as np
 
 # vLLM's kv_cache_residency_buckets (seconds)
 RESIDENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300,
@@ -32,36 +33,26 @@ class BlockStats:
     offload_s: float = 0.0
 
 
-def now() -> float:
-    return time.monotonic()
+now = time.monotonic  # the clock of every residency stamp (an alias, not a wrapper: it runs per block touched)
 
 
 class Residency:
-    """The residency events of one manager until the next `drain`."""
+    """The residency events of one manager until the next `drain`. An event only appends its seconds (it runs
+    per block touched, in the step); the drain buckets them all at once (kvcache_bench measures the cost)."""
 
     def __init__(self) -> None:
-        self._reset()
-
-    def _reset(self) -> None:
-        self._counts = [[0] * (len(RESIDENCY_BUCKETS) + 1) for _ in RESIDENCY_KINDS]
-        self._sums = [0.0] * len(RESIDENCY_KINDS)
-        self._any = False
+        self._seconds: tuple[list[float], ...] = ([], [], [])  # per RESIDENCY_KINDS
         self.onboard_s = self.offload_s = 0.0
-
-    def _observe(self, kind: int, seconds: float) -> None:
-        self._counts[kind][bisect_left(RESIDENCY_BUCKETS, seconds)] += 1  # le is inclusive
-        self._sums[kind] += seconds
-        self._any = True
 
     def hit(self, page, t: float) -> None:
         """A request reuses the block: one reuse gap since its last access."""
-        self._observe(REUSE_GAP, t - page.touched)
+        self._seconds[REUSE_GAP].append(t - page.touched)
         page.touched = t
 
     def evicted(self, page, t: float) -> None:
         """The unheld published block leaves the primary tier (offloaded or dropped)."""
-        self._observe(LIFETIME, t - page.born)
-        self._observe(IDLE_BEFORE_EVICT, t - page.idle)
+        self._seconds[LIFETIME].append(t - page.born)
+        self._seconds[IDLE_BEFORE_EVICT].append(t - page.idle)
 
     def copied(self, to_tier: int, from_tier: int, t: float) -> None:
         """A block copy that began at t is done: host -> primary is an onboard, primary -> host an offload
@@ -73,8 +64,17 @@ class Residency:
 
     def drain(self) -> BlockStats | None:
         """This iteration's counts and copy times (None when nothing happened), and start over."""
-        if not self._any and not self.onboard_s and not self.offload_s:
+        if not any(self._seconds) and not self.onboard_s and not self.offload_s:
             return None
-        out = BlockStats(tuple(tuple(c) for c in self._counts), tuple(self._sums), self.onboard_s, self.offload_s)
-        self._reset()
+        edges = np.asarray(RESIDENCY_BUCKETS)
+        counts, sums = [], []
+        for seconds in self._seconds:
+            x = np.asarray(seconds, dtype=np.float64)
+            # le is inclusive: searchsorted's left side puts a value equal to an edge in that edge's bucket
+            counts.append(tuple(np.bincount(np.searchsorted(edges, x, side="left"), minlength=len(edges) + 1)
+                                .tolist()))
+            sums.append(float(x.sum()))
+            seconds.clear()
+        out = BlockStats(tuple(counts), tuple(sums), self.onboard_s, self.offload_s)
+        self.onboard_s = self.offload_s = 0.0
         return out
