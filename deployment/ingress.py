@@ -22,6 +22,7 @@ from fastapi import FastAPI
 from pydantic import ValidationError
 from ray import serve
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
 from deployment.mirror import StatsMirror
@@ -77,14 +78,15 @@ class KVFleetEngine:
         from engine.core import Engine  # imported here: importing `deployment` must stay light
 
         self._settings = settings
-        self._engine = Engine(settings.engine_config())
+        rank = serve.get_replica_context().rank.rank  # Serve's replica rank: the engine this replica is
+        self._engine = Engine(settings.engine_config(rank))
         try:
             await self._engine.start()
         except BaseException:
-            logger.exception("engine %s failed to start", settings.engine_id)
+            logger.exception("engine %s failed to start", self._engine.config.engine_id)
             await self._engine.shutdown()
             raise
-        logger.info("engine %s started: dp=%d tp=%d model=%s", settings.engine_id, settings.dp, settings.tp,
+        logger.info("engine %s started: dp=%d tp=%d model=%s", self._engine.config.engine_id, settings.dp, settings.tp,
                     settings.model or "built-in")
 
     def info(self) -> dict[str, Any]:
@@ -116,7 +118,7 @@ class KVFleetEngine:
     async def __del__(self) -> None:
         engine = getattr(self, "_engine", None)
         if engine is not None:
-            logger.info("engine %s shutting down", self._settings.engine_id)
+            logger.info("engine %s shutting down", engine.config.engine_id)
             await engine.shutdown()
 
 
@@ -231,9 +233,21 @@ def check_model_setting(settings: Settings) -> None:
         raise ValueError(f"invalid kvfleet settings: {exc}") from None
 
 
+# the routers `fleet_routing` names: Serve's default, and Ray Serve LLM's prefix tree over what it routed (it
+# reads the text from a `prompt` or `messages` attribute of the handle call's first argument)
+FLEET_ROUTERS = {"pow2": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",
+                 "prefix_affinity": "ray.serve.llm.request_router:PrefixCacheAffinityRouter"}
+
+
+def request_router(settings: Settings) -> RequestRouterConfig:
+    """The engine deployment's request router: which engine replica takes a request."""
+    return RequestRouterConfig(request_router_class=FLEET_ROUTERS[settings.fleet_routing])
+
+
 def build_app(args: dict[str, Any] | None = None) -> Application:
     """`serve run deployment:build_app tp=2 ...` and Serve configs' `args:` land here."""
     settings = parse_settings(args)
     check_model_setting(settings)
-    engine = KVFleetEngine.bind(settings)
+    engine = KVFleetEngine.options(num_replicas=settings.engine_replicas,
+                                   request_router_config=request_router(settings)).bind(settings)
     return KVFleetIngress.options(num_replicas=settings.ingress_replicas).bind(settings, engine)

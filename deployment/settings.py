@@ -34,7 +34,13 @@ class Settings(BaseSettings):
         "", description="model name clients send in requests; empty = the model's name, file stem or directory "
         f"name (`{RANDOM_SERVED_NAME}` for `random`)"
     )
-    engine_id: str = Field("engine-0", description="names the engine and its stats aggregator actor")
+    engine_id: str = Field("engine-0", description="names the engine and its stats aggregator actor; with "
+                           "several engine replicas, replica n is engine `<engine_id>-<n>`")
+    engine_replicas: int = Field(1, ge=1, description="engine replicas (KVFleetEngine), each with its own dp "
+                                 "groups, ranks and aggregator; Serve's request router picks one per request")
+    fleet_routing: Literal["pow2", "prefix_affinity"] = Field(
+        "pow2", description="how the ingress picks an engine replica: `pow2` (Serve's power of two choices) "
+        "or `prefix_affinity` (Ray Serve LLM's PrefixCacheAffinityRouter)")
     dp: int = Field(2, ge=1, description="data-parallel groups (model copies)")
     tp: int = Field(1, ge=1, description="tensor-parallel ranks per group")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when Ray sees GPUs")
@@ -162,7 +168,16 @@ class Settings(BaseSettings):
         return self
 
 
-    def engine_config(self) -> EngineConfig:
+    def engine_ids(self) -> list[str]:
+        """The fleet's engines, one per Serve replica rank (see `engine_id_of`)."""
+        return [self.engine_id_of(n) for n in range(self.engine_replicas)]
+
+    def engine_id_of(self, replica_rank: int) -> str:
+        """`engine_id` itself with one replica, else `<engine_id>-<rank>`: a replica Serve replaces takes the
+        dead one's rank, so it is the same engine again (its detached aggregator, its statistics)."""
+        return self.engine_id if self.engine_replicas == 1 and replica_rank == 0 else f"{self.engine_id}-{replica_rank}"
+
+    def engine_config(self, replica_rank: int = 0) -> EngineConfig:
         """What the engine reads of these settings, typed and frozen (built once, in the engine's replica)."""
         cache = CacheSettings(**{f.name: getattr(self, f.name) for f in fields(CacheSettings)})
         routing = RoutingConfig(self.routing, self.routing_primary_weight, self.routing_host_weight,
@@ -172,6 +187,7 @@ class Settings(BaseSettings):
                                 self.kv_events_buffer_steps)
         parts = {"cache": cache, "routing": routing, "kv_events": events}
         same = {f.name: getattr(self, f.name) for f in fields(EngineConfig) if f.name not in parts}
+        same["engine_id"] = self.engine_id_of(replica_rank)
         return EngineConfig(**same, **parts)
 
 

@@ -115,3 +115,23 @@ def test_serve_build_config_is_valid_and_deployable(tmp_path):
     built = call_user_app_builder_with_args_if_necessary(import_attr(app.import_path), app.args or {})
     assert type(built).__name__ == "Application"
 
+
+
+def test_each_engine_replica_is_the_engine_of_its_serve_rank():
+    one = parse_settings({"model": "random"})
+    assert one.engine_ids() == ["engine-0"] and one.engine_config(0).engine_id == "engine-0"  # today's names
+    fleet = parse_settings({"model": "random", "engine_replicas": "3", "engine_id": "e"})
+    assert fleet.engine_ids() == ["e-0", "e-1", "e-2"]
+    assert [fleet.engine_config(r).engine_id for r in range(3)] == fleet.engine_ids()
+    assert fleet.engine_config(3).engine_id == "e-3"  # a surge replica's rank past the count still names one
+
+
+def test_fleet_routing_names_serves_routers():
+    from deployment.ingress import request_router
+
+    assert request_router(parse_settings({"model": "random"})).request_router_class.endswith(
+        "PowerOfTwoChoicesRequestRouter")
+    prefix = request_router(parse_settings({"model": "random", "fleet_routing": "prefix_affinity"}))
+    assert prefix.request_router_class == "ray.serve.llm.request_router:PrefixCacheAffinityRouter"
+    with pytest.raises(ValueError, match="fleet_routing"):
+        parse_settings({"fleet_routing": "kv_magic"})
