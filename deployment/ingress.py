@@ -234,9 +234,12 @@ def check_model_setting(settings: Settings) -> None:
 
 
 # the routers `fleet_routing` names: Serve's default, and Ray Serve LLM's prefix tree over what it routed (it
-# reads the text from a `prompt` or `messages` attribute of the handle call's first argument)
+# reads the text from a `prompt` or `messages` attribute of the handle call's first argument). The latter by
+# its own module: its public re-export, ray.serve.llm.request_router, imports Ray Serve LLM's protocol models,
+# which need vLLM or SGLang installed
 FLEET_ROUTERS = {"pow2": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",
-                 "prefix_affinity": "ray.serve.llm.request_router:PrefixCacheAffinityRouter"}
+                 "prefix_affinity": "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:"
+                                    "PrefixCacheAffinityRouter"}
 
 
 def request_router(settings: Settings) -> RequestRouterConfig:

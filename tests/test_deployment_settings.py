@@ -132,6 +132,6 @@ def test_fleet_routing_names_serves_routers():
     assert request_router(parse_settings({"model": "random"})).request_router_class.endswith(
         "PowerOfTwoChoicesRequestRouter")
     prefix = request_router(parse_settings({"model": "random", "fleet_routing": "prefix_affinity"}))
-    assert prefix.request_router_class == "ray.serve.llm.request_router:PrefixCacheAffinityRouter"
+    assert prefix.request_router_class.endswith("prefix_aware_router:PrefixCacheAffinityRouter")
     with pytest.raises(ValueError, match="fleet_routing"):
         parse_settings({"fleet_routing": "kv_magic"})
