@@ -6,8 +6,8 @@ As Ray Serve LLM splits `OpenAiIngress` from `LLMServer`:
   `check_health` replaces the replica when its engine can no longer serve at all.
 - `KVFleetIngress`, `ingress_replicas` replicas: the FastAPI routes. Generation goes to the engine's replica
   through a `DeploymentHandle` (streamed); tokenizing and detokenizing happen here. Statistics are served
-  from the replica's `StatsMirror` (one long-poll to the aggregator), so readers never touch the engine's
-  event loop.
+  from the replica's `FleetStats` (one `StatsMirror`, one long-poll, per engine's aggregator), so readers
+  never touch the engines' event loops.
 Neither reserves CPU: the rank actors reserve theirs (dp * tp * num_cpus_per_rank), and the defaults must fit
 a 2-core laptop, where `serve run deployment:app` gives Ray exactly 2 CPUs.
 """
@@ -25,7 +25,7 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
-from deployment.mirror import StatsMirror
+from deployment.fleet import FleetStats
 from deployment.routes import create_api
 from deployment.settings import Settings
 from engine.errors import EngineError, RequestError, RequestFailed, check_request
@@ -42,28 +42,49 @@ _ENGINE_ERRORS = (RequestError, EngineError, RequestFailed)
 
 
 class ActorStats:
-    """The mirror's upstream: the StatsAggregator actor handle."""
+    """The mirror's upstream: the StatsAggregator actor handle, given (the engine named it), or found by the
+    engine's id: then looked up on first use and again after a failed call, since an engine that has not
+    started yet has no aggregator, and one replaced by a new actor of the same name has a new handle."""
 
-    def __init__(self, handle: Any) -> None:
-        self._h = handle
+    def __init__(self, handle: Any = None, engine_id: str | None = None) -> None:
+        if handle is None and engine_id is None:
+            raise ValueError("ActorStats needs the aggregator's handle or its engine's id")
+        self._h, self._engine_id = handle, engine_id
+
+    def _handle(self) -> Any:
+        if self._h is None:
+            import ray
+
+            from aggregator.actor import NAMESPACE, aggregator_name
+
+            self._h = ray.get_actor(aggregator_name(self._engine_id), namespace=NAMESPACE)
+        return self._h
+
+    async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await getattr(self._handle(), method).remote(*args, **kwargs)
+        except Exception:
+            if self._engine_id is not None:
+                self._h = None  # look it up again next time
+            raise
 
     async def query(self, since: int, limit: int | None, ranks: bool) -> list[dict]:
-        return await self._h.query.remote(since=since, limit=limit, ranks=ranks)
+        return await self._call("query", since=since, limit=limit, ranks=ranks)
 
     async def wait_records(self, since: int, timeout_s: float) -> list[dict]:
-        return await self._h.wait_records.remote(since, timeout_s=timeout_s)
+        return await self._call("wait_records", since, timeout_s=timeout_s)
 
     async def ranks(self) -> dict:
-        return await self._h.ranks.remote()
+        return await self._call("ranks")
 
     async def kv_cache_stats(self) -> dict:
-        return await self._h.kv_cache_stats.remote()
+        return await self._call("kv_cache_stats")
 
     async def metrics_text(self) -> str:
-        return await self._h.metrics_text.remote()
+        return await self._call("metrics_text")
 
     async def health(self) -> dict:
-        return await self._h.health.remote()
+        return await self._call("health")
 
 
 @serve.deployment(
@@ -194,7 +215,7 @@ class KVFleetIngress:
         self._settings = settings
         info = await engine.info.remote()  # waits for the engine's replica to be up
         self._engine = EngineClient(engine, load_tokenizer(settings.model or None), info)
-        self._stats = StatsMirror(ActorStats(info["aggregator"]), capacity=settings.stats_buffer_size)
+        self._stats = fleet_stats(settings, info["aggregator"])
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return create_api(self._engine, self._stats, self._settings)
@@ -207,6 +228,17 @@ class KVFleetIngress:
         stats = getattr(self, "_stats", None)
         if stats is not None:
             await stats.close()
+
+
+def fleet_stats(settings: Settings, aggregator: Any) -> FleetStats:
+    """One mirror per engine: with one, over the aggregator the engine named (as always); with several, each
+    over its engine's aggregator by name (the replica that answered `info` is any one of them)."""
+    ids = settings.engine_ids()
+    if len(ids) == 1:
+        upstreams = {ids[0]: ActorStats(aggregator)}
+    else:
+        upstreams = {eid: ActorStats(engine_id=eid) for eid in ids}
+    return FleetStats.over(upstreams, capacity=settings.stats_buffer_size)
 
 
 def parse_settings(args: dict[str, Any] | None) -> Settings:

@@ -6,6 +6,8 @@ event and the /stats list are built from the same text). The mirror starts from 
 buffered record and then follows `wait_records`, so it holds exactly records the aggregator emitted, in order.
 What only the aggregator knows (per-rank detail, rank health, Prometheus text) is asked of it directly;
 /metrics is cached for `metrics_ttl_s` so that scrapers from several Prometheus replicas share one call.
+After a failed call the mirror resyncs: an aggregator that answers with another history (a fresh actor numbering
+from 0 again, or iterations that went backwards) replaces the mirror's records, and `generation` counts that.
 """
 
 from __future__ import annotations
@@ -39,14 +41,17 @@ class Upstream(Protocol):
 
 class StatsMirror:
     def __init__(self, upstream: Upstream, capacity: int = 10_000, keepalive_s: float = 15.0,
-                 metrics_ttl_s: float = 1.0) -> None:
+                 metrics_ttl_s: float = 1.0, changes: LongPoll | None = None) -> None:
         self.upstream = upstream
         self.keepalive_s = keepalive_s
         self.metrics_ttl_s = metrics_ttl_s
         self._records = RecordBuffer(capacity)  # {"iter", "record", "json"}
         self._head = -1
         self._primed = asyncio.Event()  # set once the first call copied the aggregator's buffer
-        self._changes = LongPoll()  # readers waiting for new records
+        self._resync = False  # after a failed call: compare the aggregator's history with ours
+        self.generation = 0  # +1 each time another history replaced the records
+        # readers waiting for new records (a fleet shares one over its mirrors, so a reader waits on them all)
+        self._changes = changes or LongPoll()
         self._pump: asyncio.Task | None = None
         self._metrics: tuple[float, str] = (float("-inf"), "")
         self.subscribers = 0
@@ -73,6 +78,8 @@ class StatsMirror:
                 self.upstream_calls += 1
                 if not self._primed.is_set():
                     records = await self.upstream.query(-1, None, False)
+                elif self._resync:  # everything it holds, as soon as it holds something
+                    records = await self.upstream.wait_records(-1, self.keepalive_s)
                 else:
                     records = await self.upstream.wait_records(self._head, self.keepalive_s)
                 failures = 0
@@ -80,16 +87,40 @@ class StatsMirror:
                 raise
             except Exception as exc:  # the aggregator is restarting or not up yet
                 failures += 1
+                self._resync = self._primed.is_set()
                 logger.warning("stats mirror: aggregator call failed (%s), retry %d", type(exc).__name__, failures)
                 await asyncio.sleep(min(5.0, 0.1 * 2**failures))  # backoff before calling it again
                 continue
             self._primed.set()
+            if self._resync and records:
+                self._resync = False
+                if self._other_history(records):
+                    self._restart_history()
             fresh = [r for r in records if r["iter"] > self._head]
             for r in fresh:
                 self._records.append(_entry(r))
             if fresh:
                 self._head = fresh[-1]["iter"]
                 self._changes.notify()
+
+    def _other_history(self, records: list[dict]) -> bool:
+        """Whether the aggregator's buffer is not the continuation of ours: our newest record is there with
+        another timestamp, or its newest is older than ours (the client's `same_history` rule)."""
+        mine = self._records.latest()
+        if mine is None:
+            return False
+        same = next((r for r in records if r["iter"] == self._head), None)
+        if same is not None:
+            return same.get("timestamp") != mine["record"].get("timestamp")
+        return records[-1]["iter"] < self._head
+
+    def _restart_history(self) -> None:
+        logger.warning("stats mirror: the aggregator has another history (newest %d here): following it afresh",
+                       self._head)
+        self._records = RecordBuffer(self._records.capacity)
+        self._head = -1
+        self.generation += 1
+        self._changes.notify()
 
     async def _ready(self) -> None:
         """Start following, and wait (a little) for the first copy, so a first reader sees what exists."""
@@ -101,6 +132,19 @@ class StatsMirror:
     async def _wait(self, since: int, timeout_s: float) -> list[dict]:
         await self._ready()
         return await self._changes.wait(lambda: self._records.since(since, CHUNK), timeout_s)
+
+    # ---- what a fleet (deployment/fleet.py) reads
+
+    async def ready(self) -> None:
+        await self._ready()
+
+    def entries(self, since: int, limit: int | None) -> list[dict]:
+        """Mirrored entries ({"iter", "record", "json"}) with iter > since, oldest first."""
+        return self._records.since(since, limit)
+
+    @property
+    def changes(self) -> LongPoll:
+        return self._changes
 
     # ---- what the routes read
 

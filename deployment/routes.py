@@ -1,8 +1,9 @@
 """The HTTP API: one FastAPI app from the OpenAI router, the statistics router, the dashboard and /health.
 
 `create_api(engine, stats, settings)` knows nothing about Ray Serve: the routes are tested with a fake engine
-(implementing `EngineProtocol`) under plain uvicorn; `ingress.py` plugs in the engine's handle and the stats
-mirror. The OpenAPI document says what the app does: errors are OpenAI-shaped 4xx/5xx bodies (FastAPI's 422
+(implementing `EngineProtocol`) under plain uvicorn; `ingress.py` plugs in the engine's handle and the fleet's
+stats mirrors (one per engine; a lone StatsMirror is the fleet of `settings.engine_id`).
+The OpenAPI document says what the app does: errors are OpenAI-shaped 4xx/5xx bodies (FastAPI's 422
 never happens: validation errors are answered 400), and each route's real media type.
 """
 
@@ -19,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from deployment.auth import BEARER_SCHEME, KeyGuard, load_keys
 from deployment.dashboard_routes import dashboard_router
 from deployment.errors import ERROR_SCHEMA, ErrorResponse, clean_message, error_body, install_error_handlers
+from deployment.fleet import FleetStats
 from deployment.generation import EngineProtocol, openai_router
 from deployment.kv_events import kv_events_router
 from deployment.mirror import StatsMirror
@@ -30,8 +32,9 @@ logger = logging.getLogger("kvfleet.deployment")
 HEALTH_TIMEOUT_S = 5.0
 
 
-def create_api(engine: EngineProtocol, stats: StatsMirror, settings: Settings) -> FastAPI:
+def create_api(engine: EngineProtocol, stats: StatsMirror | FleetStats, settings: Settings) -> FastAPI:
     """The FastAPI app with every route of docs/http-api.md."""
+    fleet = stats if isinstance(stats, FleetStats) else FleetStats({settings.engine_id: stats})
     api = FastAPI(title="kvfleet", version="0.1.0")
     install_error_handlers(api)
     api.state.stats = stats
@@ -40,13 +43,17 @@ def create_api(engine: EngineProtocol, stats: StatsMirror, settings: Settings) -
     if guard:
         api.add_middleware(guard.wrap)  # outside the routes: no body is read before the key is checked
     api.include_router(openai_router(engine, settings))
-    api.include_router(stats_router(stats, settings.dp * settings.tp))
-    api.include_router(metrics_router(stats))
+    api.include_router(stats_router(fleet, settings.dp * settings.tp))
+    api.include_router(metrics_router(fleet))
     api.include_router(dashboard_router())
     api.include_router(kv_events_router(engine))
 
-    @api.get("/health", responses={503: {"description": "no dp group can serve, or the aggregator is down"}})
+    @api.get("/health", responses={503: {"description": "no dp group can serve, or the aggregator is down "
+                                                        "(with several engines: no engine is up)"}})
     async def health() -> Response:
+        if fleet.single is None:
+            return await fleet_health(engine, fleet)
+        stats = fleet.single
         try:
             eng, agg = await asyncio.wait_for(asyncio.gather(engine.health(), stats.health()), HEALTH_TIMEOUT_S)
         except Exception as exc:
@@ -58,6 +65,25 @@ def create_api(engine: EngineProtocol, stats: StatsMirror, settings: Settings) -
 
     api.openapi = lambda: _openapi(api, guard)
     return api
+
+
+async def fleet_health(engine: EngineProtocol, fleet: FleetStats) -> Response:
+    """Several engines: which are up (judged by each one's aggregator), and the engine replica that answered
+    the handle's call; 200 while any engine is up."""
+    async def answered() -> dict[str, Any]:
+        try:
+            return await asyncio.wait_for(engine.health(), HEALTH_TIMEOUT_S)
+        except Exception as exc:
+            return {"ok": False, "why": f"{type(exc).__name__}: {clean_message(exc)}"}
+    eng, engines = await asyncio.gather(answered(), fleet.engines_health(HEALTH_TIMEOUT_S))
+    up = [eid for eid, e in engines.items() if e["up"]]
+    body = {"status": "ok" if up else "unhealthy", "engine": eng, "engines": engines,
+            "engines_up": len(up), "subscribers": fleet.subscribers}
+    if not up:
+        logger.warning("health check failed: no engine is up")
+        return ErrorResponse({**error_body("unhealthy: no engine is up", "service_unavailable", "unhealthy"),
+                              "engines": engines}, status_code=503)
+    return JSONResponse(body)
 
 
 def _openapi(api: FastAPI, guard: KeyGuard) -> dict[str, Any]:
