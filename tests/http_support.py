@@ -97,12 +97,21 @@ class FakeEngine:
 
 
 class FakeStats:
-    """The aggregator's query semantics over an in-memory list (records appended from the test thread)."""
+    """The aggregator's query semantics over an in-memory list (records appended from the test thread);
+    `restart()` is a fresh aggregator (numbering from 0 again): a long poll in flight fails, as an actor's."""
 
-    def __init__(self) -> None:
+    def __init__(self, engine_id: str = "engine-0") -> None:
         self._lock = threading.Lock()
+        self.engine_id = engine_id
         self.records: list[dict] = []
         self.cumulative = {"allocTotalBlocks": 0, "reusedBlocks": 0, "missedBlocks": 0}
+        self.epoch = 0
+        self.down: str | None = None  # health() raises this while set
+
+    def restart(self) -> None:
+        with self._lock:
+            self.records, self.epoch = [], self.epoch + 1
+            self.cumulative = {"allocTotalBlocks": 0, "reusedBlocks": 0, "missedBlocks": 0}
 
     def add(self, alloc: int, reused: int) -> None:
         with self._lock:
@@ -111,7 +120,8 @@ class FakeStats:
                                "reusedBlocks": c["reusedBlocks"] + reused,
                                "missedBlocks": c["missedBlocks"] + alloc - reused}
             it = len(self.records)
-            self.records.append({"iter": it, "kvCacheStats": dict(self.cumulative),
+            self.records.append({"iter": it, "engineId": self.engine_id,
+                                 "timestamp": f"{time.time():.6f}-{self.epoch}", "kvCacheStats": dict(self.cumulative),
                                  "kvCacheIterationStats": {"128": {"iterAllocTotalBlocks": alloc,
                                                                    "iterReusedBlocks": reused,
                                                                    "iterOffloadBlocks": 1}}})
@@ -122,8 +132,10 @@ class FakeStats:
         return out[:limit] if limit is not None else out
 
     async def wait_records(self, since: int, timeout_s: float) -> list[dict]:
-        deadline = time.monotonic() + timeout_s
+        deadline, epoch = time.monotonic() + timeout_s, self.epoch
         while True:
+            if self.epoch != epoch:
+                raise ConnectionError("the aggregator restarted")
             out = await self.query(since, None, False)
             if out or time.monotonic() >= deadline:
                 return out
@@ -140,6 +152,8 @@ class FakeStats:
         return "# TYPE kvfleet_reused_blocks_total counter\nkvfleet_reused_blocks_total 0\n"
 
     async def health(self) -> dict:
+        if self.down:
+            raise ConnectionError(self.down)
         return {"records": len(self.records)}
 
 
@@ -154,6 +168,7 @@ class Server:
     url: str
     engine: FakeEngine
     stats: FakeStats
+    fleet: dict[str, FakeStats] | None = None  # serve_fleet's engines, by id
 
 
 def run_uvicorn(api, port: int):
@@ -185,6 +200,22 @@ def serve_fake(**settings_overrides):
     port = _free_port()
     stop = run_uvicorn(api, port)
     yield Server(f"http://127.0.0.1:{port}", engine, stats)
+    stop()
+
+
+def serve_fleet(engines: int = 2):
+    """The routes over FakeStats per engine of an `engine_replicas: engines` fleet (one FakeEngine answers)."""
+    from deployment.fleet import FleetStats
+
+    engine = FakeEngine()
+    settings = Settings(model="random", dp=2, tp=1, served_model_name="fake-model", max_tokens_default=8,
+                        engine_replicas=engines)
+    fakes = {eid: FakeStats(eid) for eid in settings.engine_ids()}
+    engine.on_finish = lambda: fakes[settings.engine_ids()[0]].add(3, 1)
+    api = create_api(engine, FleetStats.over(fakes, keepalive_s=0.3), settings)
+    port = _free_port()
+    stop = run_uvicorn(api, port)
+    yield Server(f"http://127.0.0.1:{port}", engine, fakes[settings.engine_ids()[0]], fakes)
     stop()
 
 
