@@ -5,7 +5,7 @@
         records = c.get_stats(since=-1)          # a page of cluster records with iter > since, oldest first
         everything = c.get_all_stats()           # every buffered record, page after page
         for record in c.iter_stats():            # follows /stats/stream; reconnects with Last-Event-ID
-            ...
+            ...                                  # (with several engines: every engine's, the vector cursor)
         c.kv_cache_stats()                       # the cluster's cumulative kvCacheStats
 
 Server errors arrive in OpenAI's shape and are raised as `StatsError` with the server's message.
@@ -64,10 +64,12 @@ class StatsClient:
         _raise_for_error(resp)
         return resp.json()
 
-    def get_stats(self, since: int = -1, limit: int | None = None, ranks: bool = False) -> list[dict]:
+    def get_stats(self, since: int | str = -1, limit: int | None = None, ranks: bool = False,
+                  engine: str | None = None) -> list[dict]:
         """One page of cluster records with `iter > since`, oldest first (`limit` records, the server's
-        default page when None). Reading removes nothing."""
-        return self._get("/stats", since=since, limit=limit, ranks=str(ranks).lower())
+        default page when None). With several engines `since` is the vector `<engine>:<iter>,...` (or -1),
+        or `engine` names one. Reading removes nothing."""
+        return self._get("/stats", since=since, limit=limit, ranks=str(ranks).lower(), engine=engine)
 
     def get_all_stats(self, since: int = -1, page: int = 1000) -> list[dict]:
         """Every buffered record after `since`: pages of `page` records, following each one's `rel="next"`."""
@@ -85,11 +87,12 @@ class StatsClient:
         records = self.get_all_stats()
         return records[-1]["iter"] if records else -1
 
-    def same_history(self, record: dict) -> bool:
+    def same_history(self, record: dict, engine: str | None = None) -> bool:
         """Whether the server still holds `record` as it was (same iter, same timestamp). A fresh app (a new
         cluster, its aggregator numbering from 0 again) does not, so resuming after the record's iteration
-        would drop the new app's records until its numbering passed the old one. The dashboard's rule."""
-        got = self.get_stats(since=record["iter"] - 1, limit=1)
+        would drop the new app's records until its numbering passed the old one. The dashboard's rule.
+        `engine`: the engine of the record, asked of that engine alone (several engines)."""
+        got = self.get_stats(since=record["iter"] - 1, limit=1, engine=engine)
         return bool(got) and got[0]["iter"] == record["iter"] and got[0].get("timestamp") == record.get("timestamp")
 
     def kv_cache_stats(self) -> dict:
@@ -111,21 +114,29 @@ class StatsClient:
         A dropped connection is reopened with `Last-Event-ID` = the last iteration received, so the
         server resumes right after it (as long as it still buffers those records). A server with another
         history (a fresh app numbering from 0 again, see `same_history`) is followed from its oldest record.
+        With several engines the ids are vectors (`<engine>:<iter>,...`): the client keeps each engine's
+        last iteration, resumes with the vector, and resyncs only an engine whose history changed.
         Gives up after `max_retries` consecutive failed connections.
         """
-        last, seen = since, None  # seen: the last record received
-        failures = 0
+        pos: dict[str, int] = {}  # several engines: each one's last iteration received
+        seen: dict[str | None, dict] = {}  # the last record received (per engine with several)
+        last, failures = since, 0
         timeout = httpx.Timeout(self._http.timeout.connect, read=read_timeout_s)
         while True:
             headers = {"Accept": "text/event-stream"}
             try:
-                if seen is not None and not self.same_history(seen):
-                    logger.info("the server has another history (a fresh app): following it from its oldest record")
-                    last, seen = -1, None
-                if last >= 0:
-                    headers["Last-Event-ID"] = str(last)
-                with self._http.stream("GET", "/stats/stream", params={"since": last}, headers=headers,
-                                       timeout=timeout) as resp:
+                for eid, record in list(seen.items()):
+                    if not self.same_history(record, eid):
+                        logger.info("the server has another history (a fresh app or aggregator%s): following it "
+                                    "from its oldest record", f" of {eid}" if eid else "")
+                        del seen[eid]
+                        pos.pop(eid or "", None)
+                        last = -1 if eid is None else last
+                cursor = ",".join(f"{e}:{i}" for e, i in pos.items()) if pos else str(last)
+                if cursor != "-1":
+                    headers["Last-Event-ID"] = cursor
+                with self._http.stream("GET", "/stats/stream", params={"since": -1 if pos else last},
+                                       headers=headers, timeout=timeout) as resp:
                     if resp.status_code >= 400:
                         resp.read()
                         _raise_for_error(resp)
@@ -136,9 +147,15 @@ class StatsClient:
                             continue
                         failures = 0
                         record = json.loads(event.data)
-                        if record["iter"] <= last:
-                            continue
-                        last, seen = record["iter"], record
+                        if ":" in (event.id or ""):  # the fleet's merged stream
+                            eid = record["engineId"]
+                            if record["iter"] <= pos.get(eid, -1):
+                                continue
+                            pos[eid], seen[eid] = record["iter"], record
+                        else:
+                            if record["iter"] <= last:
+                                continue
+                            last, seen[None] = record["iter"], record
                         yield record
             except (httpx.TransportError, httpx.RemoteProtocolError) as exc:
                 if not reconnect:
@@ -146,7 +163,7 @@ class StatsClient:
                 failures += 1
                 if failures > max_retries:
                     raise
-                logger.info("stats stream dropped (%s); reconnecting after iter %d", type(exc).__name__, last)
+                logger.info("stats stream dropped (%s); reconnecting after %s", type(exc).__name__, pos or last)
                 time.sleep(retry_delay_s * min(failures, 10))  # backoff between reconnects
                 continue
             if not reconnect:
@@ -154,5 +171,4 @@ class StatsClient:
             failures += 1
             if failures > max_retries:
                 raise StatsError(0, "stats stream keeps closing")
-            logger.info("stats stream closed by server; reconnecting after iter %d", last)
-
+            logger.info("stats stream closed by server; reconnecting after %s", pos or last)

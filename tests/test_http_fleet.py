@@ -177,3 +177,16 @@ def test_health_names_the_engines_up(fleet, http):
     fleet.fleet[A].down = "gone too"
     resp = http.get("/health")
     assert resp.status_code == 503 and set(resp.json()["engines"]) == {A, B}
+
+
+def test_client_follows_the_merged_stream(fleet, http):
+    from deployment.client import StatsClient
+
+    _fill(fleet, 3, 2)
+    _caught_up(fleet, http)
+    with StatsClient(fleet.url, timeout_s=10) as c:
+        stream = c.iter_stats()
+        got = [next(stream) for _ in range(5)]
+        stream.close()
+        assert c.same_history(got[-1], got[-1]["engineId"])
+    assert _per_engine(got) == {A: [0, 1, 2], B: [0, 1]}
