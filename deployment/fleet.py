@@ -196,15 +196,16 @@ class FleetStats:
         return merge_metrics(got, fleet, len(self.ids))
 
     async def engines_health(self, timeout_s: float) -> dict[str, dict]:
-        """Each engine: up (its aggregator answers and a rank keeps up), why not, and the aggregator's health."""
+        """Each engine: up (its aggregator answers: an idle engine's ranks have reported nothing yet), why not,
+        and the aggregator's health."""
         async def one(m: StatsMirror) -> dict:
             try:
                 agg = await asyncio.wait_for(m.health(), timeout_s)
             except Exception as exc:
                 why = "timed out" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
                 return {"up": False, "why": f"aggregator: {why}", "aggregator": None}
-            up = agg.get("healthy_ranks", 1) > 0
-            return {"up": up, "why": None if up else "no rank keeps up", "aggregator": agg}
+            up = bool(agg.get("ok", True))
+            return {"up": up, "why": None if up else "aggregator: not ok", "aggregator": agg}
         got = await asyncio.gather(*(one(m) for m in self.mirrors.values()))
         return dict(zip(self.ids, got, strict=True))
 
