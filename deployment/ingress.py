@@ -274,8 +274,11 @@ FLEET_ROUTERS = {"pow2": "ray.serve._private.request_router:PowerOfTwoChoicesReq
                                     "PrefixCacheAffinityRouter"}
 
 
-def request_router(settings: Settings) -> RequestRouterConfig:
-    """The engine deployment's request router: which engine replica takes a request."""
+def request_router(settings: Settings) -> RequestRouterConfig | None:
+    """The engine deployment's request router: which engine replica takes a request (None: Serve's default,
+    so `serve build` writes no router for it)."""
+    if settings.fleet_routing == "pow2":
+        return None
     return RequestRouterConfig(request_router_class=FLEET_ROUTERS[settings.fleet_routing])
 
 
@@ -283,6 +286,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     """`serve run deployment:build_app tp=2 ...` and Serve configs' `args:` land here."""
     settings = parse_settings(args)
     check_model_setting(settings)
+    router = request_router(settings)
     engine = KVFleetEngine.options(num_replicas=settings.engine_replicas,
-                                   request_router_config=request_router(settings)).bind(settings)
+                                   **({"request_router_config": router} if router else {})).bind(settings)
     return KVFleetIngress.options(num_replicas=settings.ingress_replicas).bind(settings, engine)

@@ -129,8 +129,7 @@ def test_each_engine_replica_is_the_engine_of_its_serve_rank():
 def test_fleet_routing_names_serves_routers():
     from deployment.ingress import request_router
 
-    assert request_router(parse_settings({"model": "random"})).request_router_class.endswith(
-        "PowerOfTwoChoicesRequestRouter")
+    assert request_router(parse_settings({"model": "random"})) is None  # Serve's own power of two choices
     prefix = request_router(parse_settings({"model": "random", "fleet_routing": "prefix_affinity"}))
     assert prefix.request_router_class.endswith("prefix_aware_router:PrefixCacheAffinityRouter")
     with pytest.raises(ValueError, match="fleet_routing"):

@@ -132,7 +132,7 @@ def _rank_blocks(tp_rank: int, port: int, kv_bytes: int, out) -> None:
     torch.set_num_threads(1)
     s = Settings(model="random", engine_id="tpmin", dp=1, tp=2, kv_cache_bytes=kv_bytes, host_cache_bytes=0)
     tp = init_tp_group(tp_rank, 2, "127.0.0.1", port, backend="gloo", timeout_s=60)
-    w = make_rank(s, tp_rank)
+    w = make_rank(s.engine_config(), tp_rank)
     w.kv = worker_module.build_kv_cache(w.spec, w.model.config, "cpu", torch.float32, tp)
     out.put((tp_rank, w.kv.get_kv_cache_stats().max_num_blocks))
 
