@@ -5,7 +5,8 @@ on a CPU-only machine); `serve run deployment:build_app key=value ...` takes set
 Importing this package starts nothing (no Ray, no engine); `deployment.app` is built when first read.
 
 Modules: `settings` (the `Settings` class, the README table); `ingress` (the two Serve deployments:
-`KVFleetEngine` owns the engine, `KVFleetIngress` serves HTTP through the engine's handle); `routes` (the app);
+`KVFleetEngine` owns the engine, `KVFleetIngress` serves HTTP through the engine's handle); `resend` (a dead
+engine replica's requests re-sent by the ingress); `routes` (the app);
 `generation` (the OpenAI routes over an `EngineProtocol`); `stats_routes` and `mirror` (statistics served from
 each ingress replica's copy of the records); `protocol` (OpenAI request models and response shapes);
 `errors` (OpenAI-shaped errors); `auth` (API keys); `dashboard_routes` (the /dashboard page);

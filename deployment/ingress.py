@@ -12,7 +12,6 @@ Neither reserves CPU: the rank actors reserve theirs (dp * tp * num_cpus_per_ran
 a 2-core laptop, where `serve run deployment:app` gives Ray exactly 2 CPUs.
 """
 
-import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -26,6 +25,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
 from deployment.fleet import FleetStats
+from deployment.resend import ADMISSION_TIMEOUT_S, resending
 from deployment.routes import create_api
 from deployment.settings import Settings
 from engine.errors import EngineError, RequestError, RequestFailed, check_request
@@ -33,8 +33,6 @@ from engine.errors import EngineError, RequestError, RequestFailed, check_reques
 logger = logging.getLogger("kvfleet.deployment")
 
 NUM_CPUS = 0
-# how long the ingress waits for the engine replica to admit a request: longer means it is being replaced
-ADMISSION_TIMEOUT_S = 10.0
 # /stats pollers, /stats/stream subscribers and streamed generations are long-lived: Serve's default (5)
 # would queue them
 MAX_ONGOING_REQUESTS = 1000
@@ -116,10 +114,11 @@ class KVFleetEngine:
                 "aggregator": e.aggregator}
 
     async def generate(self, request_id: str | None, prompt_token_ids: list[int], params: Any,
-                       cache_salt: str | None = None) -> AsyncIterator[Any]:
+                       cache_salt: str | None = None, drawn: int = 0) -> AsyncIterator[Any]:
         """None once the engine has admitted the request (so the ingress answers a refusal with its status
-        code, before any response starts), then its token events."""
-        events = self._engine.generate(request_id, prompt_token_ids, params, cache_salt, announce=True)
+        code, before any response starts), then its token events. `drawn`: the request is re-sent (Engine.submit)."""
+        events = self._engine.generate(request_id, prompt_token_ids, params, cache_salt, announce=True,
+                                       drawn=drawn)
         async with contextlib.aclosing(events):  # closed when this stream is: the engine aborts the request then
             async for ev in events:
                 yield ev
@@ -147,8 +146,9 @@ class EngineClient:
     """The engine as the routes see it, across the engine deployment's handle: the same errors as the
     in-process Engine (never a Ray traceback), and a stream that aborts the request when it is closed."""
 
-    def __init__(self, handle: DeploymentHandle, tokenizer: Any, info: dict[str, Any]) -> None:
+    def __init__(self, handle: DeploymentHandle, tokenizer: Any, info: dict[str, Any], resend_s: float) -> None:
         self._h = handle
+        self.resend_s = resend_s  # how long a request that lost its replica waits for one to take it again
         self._stream = handle.options(stream=True)
         self.tokenizer = tokenizer
         self.max_model_len = info["max_model_len"]
@@ -163,20 +163,20 @@ class EngineClient:
     async def generate(self, request_id: str | None, prompt_token_ids: list[int], params: Any,
                        cache_salt: str | None = None) -> AsyncIterator[Any]:
         """None once the engine admitted the request, then its token events. An engine replica that does not
-        admit it within ADMISSION_TIMEOUT_S (it is being replaced: Serve queues the call) is a 503."""
-        gen = self._stream.generate.remote(request_id, prompt_token_ids, params, cache_salt)
+        admit it within ADMISSION_TIMEOUT_S (it is being replaced: Serve queues the call) is a 503; one that
+        dies (or cannot be reached) mid-stream gets it re-sent, prompt + tokens so far (deployment/resend.py)."""
+
+        def send(rid: str | None, prompt: list[int], left: Any, drawn: int) -> Any:
+            return self._stream.generate.remote(rid, prompt, left, cache_salt, drawn)
+
+        events = resending(send, request_id, prompt_token_ids, params, ADMISSION_TIMEOUT_S, self.resend_s)
         try:
-            try:
-                yield await asyncio.wait_for(gen.__anext__(), ADMISSION_TIMEOUT_S)
-            except TimeoutError:
-                raise EngineError(f"the engine replica did not answer within {ADMISSION_TIMEOUT_S:g} s "
-                                  "(it may be restarting)", ADMISSION_TIMEOUT_S) from None
-            async for ev in gen:
+            async for ev in events:
                 yield ev
         except Exception as e:
             raise _engine_error(e) from None
         finally:
-            gen.cancel()  # a client that left (or a stop string) aborts the engine's request
+            await events.aclose()  # a client that left (or a stop string) aborts the engine's request
 
     async def health(self) -> dict[str, Any]:
         try:
@@ -214,7 +214,8 @@ class KVFleetIngress:
 
         self._settings = settings
         info = await engine.info.remote()  # waits for the engine's replica to be up
-        self._engine = EngineClient(engine, load_tokenizer(settings.model or None), info)
+        self._engine = EngineClient(engine, load_tokenizer(settings.model or None), info,
+                                    settings.placement_timeout_s)
         self._stats = fleet_stats(settings, info["aggregator"])
 
     def __serve_build_asgi_app__(self) -> FastAPI:

@@ -185,10 +185,12 @@ class Engine(GroupRecovery):
         check_request(prompt_token_ids, params.max_tokens, self.vocab_size, self.max_model_len, self.max_seq_len)
 
     async def generate(self, request_id: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                       cache_salt: str | None = None, announce: bool = False) -> AsyncIterator[TokenEvent | None]:
+                       cache_salt: str | None = None, announce: bool = False,
+                       drawn: int = 0) -> AsyncIterator[TokenEvent | None]:
         """Stream a request's tokens; closing the iterator (the client went away) aborts it. `announce`: None
-        first, once the request is admitted (the ingress answers a refusal before any response starts)."""
-        req = self.submit(request_id, prompt_token_ids, params, cache_salt)
+        first, once the request is admitted (the ingress answers a refusal before any response starts).
+        `drawn`: as in `submit`."""
+        req = self.submit(request_id, prompt_token_ids, params, cache_salt, drawn)
         try:
             if announce:
                 yield None
@@ -199,9 +201,11 @@ class Engine(GroupRecovery):
                 self.abort(req.id)
 
     def submit(self, request_id: str | None, prompt_token_ids: list[int], params: SamplingParams,
-               cache_salt: str | None = None) -> Request:
+               cache_salt: str | None = None, drawn: int = 0) -> Request:
         """Admit a request, or refuse it at once: RequestError (bad input), Overloaded (the waiting queue is
-        full), EngineError (no dp group can ever take it, or shutting down)."""
+        full), EngineError (no dp group can ever take it, or shutting down). `drawn`: tokens another engine
+        already sampled for it (the ingress re-sends a dead replica's request as prompt + those tokens), so a
+        seeded sampler draws on where it was."""
         if self.error:
             raise EngineError(self.error, RETRY_AFTER_DOWN_S)
         if self._closing:
@@ -215,7 +219,9 @@ class Engine(GroupRecovery):
             raise Overloaded(f"{waiting} requests are waiting already (max_waiting_requests); retry later")
         if params.seed is None and not params.greedy:  # one seed for every tp rank of the group
             params = dataclasses.replace(params, seed=random.getrandbits(63))
-        req = Request(rid, list(prompt_token_ids), params, cache_salt, params.max_tokens)
+        if isinstance(drawn, bool) or not isinstance(drawn, int) or not 0 <= drawn < len(prompt_token_ids):
+            raise RequestError(f"drawn must be an integer in [0, {len(prompt_token_ids)}), got {drawn!r}")
+        req = Request(rid, list(prompt_token_ids), params, cache_salt, params.max_tokens, drawn=drawn)
         self._place(req)
         self._requests[rid] = req
         return req

@@ -34,6 +34,7 @@ class Request:
     params: SamplingParams
     cache_salt: str | None
     max_new: int
+    drawn: int = 0  # tokens sampled before this engine had it (re-sent by the ingress): the end of `prompt`
     dp: int = -1
     generated: list[int] = field(default_factory=list)
     known_history: int = 0  # what the ranks last reported as computed
@@ -141,7 +142,7 @@ def plan_group(g: Group, iteration: int, s: EngineConfig) -> StepPlan:
         req.times.scheduled = req.times.scheduled or now
         # a re-queued request prefills what it already generated too, and its sampler goes on where it was
         plan.new.append(NewRequest(req.id, req.prompt + req.generated, req.params, req.cache_salt,
-                                   drawn=len(req.generated), block_keys=req.block_keys))
+                                   drawn=req.drawn + len(req.generated), block_keys=req.block_keys))
         req.created = True
         g.running.append(req)
     budget = s.max_num_batched_tokens

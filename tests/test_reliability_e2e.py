@@ -1,9 +1,11 @@
 """Faults on the real Serve app (its own app and engine id, so the shared e2e app is never disturbed): a rank
-killed mid-generation, the engine's replica and an ingress replica killed, and a graceful shutdown that leaves
-no rank or placement group behind. Ordered: the last test deletes the app."""
+killed mid-generation, the engine's only replica killed under streaming traffic (every request re-sent by the
+ingress) and killed idle, an ingress replica killed, and a graceful shutdown that leaves no rank or placement
+group behind. Ordered: the last test deletes the app."""
 
 import concurrent.futures as cf
 import json
+import threading
 import time
 
 import httpx
@@ -18,7 +20,9 @@ pytestmark = [pytest.mark.ray, pytest.mark.e2e, pytest.mark.slow]
 APP = "kvfleet-rel"
 ENGINE_ID = "rel"
 SETTINGS = {"model": "random", "engine_id": ENGINE_ID, "num_cpus_per_rank": "0.5", "max_seq_len": "256",
-            "restart_backoff_s": "0.2"}
+            "restart_backoff_s": "0.2",
+            # a re-sent request waits this long for the new engine replica, whose start took 15-30 s on 2 shared cores
+            "placement_timeout_s": "120"}
 BODY = {"max_tokens": 40, "temperature": 0, "ignore_eos": True}
 PROMPTS = [f"the cache of tenant {i} is warm" for i in range(4)]
 RECOVERY_S = 180
@@ -44,8 +48,9 @@ def _kill(prefix: str) -> str:
     return actor["name"]
 
 
-def _complete(url: str, prompt: str, stream: bool) -> str:
-    body = {**BODY, "prompt": prompt, "stream": stream}
+def _complete(url: str, prompt: str, stream: bool, started: threading.Event | None = None, **extra) -> str:
+    """The completion's text; `started` is set at its first streamed text chunk."""
+    body = {**BODY, **extra, "prompt": prompt, "stream": stream}
     if not stream:
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
@@ -58,6 +63,8 @@ def _complete(url: str, prompt: str, stream: bool) -> str:
                 chunk = json.loads(line[6:])
                 assert "error" not in chunk, chunk
                 parts.append(chunk["choices"][0]["text"])
+                if started is not None:
+                    started.set()
     return "".join(parts)
 
 
@@ -90,6 +97,29 @@ def test_a_rank_killed_mid_generation_leaves_every_answer_complete(app):
         records = all_stats(http)  # /stats pages: the group's outage may be past the first page
     assert any(r["missingRanks"] == [1] for r in records)
     assert records[-1]["complete"] or _complete(app, PROMPTS[0], stream=False) == expected[0]
+
+
+def test_the_engine_replica_killed_under_streaming_traffic_loses_no_request(app):
+    """ONE engine replica: its in-flight requests wait for the replica Serve starts in its place, and go on from
+    prompt + tokens so far there (deployment/resend.py)."""
+    samplings = [{}, {"temperature": 0.8, "top_p": 0.9, "seed": 7}]  # greedy (BODY's temperature 0), seeded
+    cases = [(p, i, stream) for p in PROMPTS[:2] for i in range(len(samplings)) for stream in (False, True)]
+    extra = {"max_tokens": 160}  # long enough to be still streaming when the replica dies
+    expected = {(p, i): _complete(app, p, False, **extra, **samplings[i]) for p, i, _ in cases}
+    started = {c: threading.Event() for c in cases if c[2]}
+    with cf.ThreadPoolExecutor(len(cases)) as pool:
+        runs = {c: pool.submit(_complete, app, c[0], c[2], started.get(c), **extra, **samplings[c[1]])
+                for c in cases}
+        _until("every stream's first tokens", lambda: all(e.is_set() for e in started.values()), 60)
+        t_kill = time.monotonic()
+        _kill(f"SERVE_REPLICA::{APP}#KVFleetEngine")
+        in_flight = sum(not r.done() for r in runs.values())
+        got = {c: r.result() for c, r in runs.items()}
+        took = time.monotonic() - t_kill
+    print(f"engine replica killed with {in_flight}/{len(cases)} requests in flight: all done {took:.1f} s later")
+    assert in_flight >= len(started), "the requests finished before the kill: make them longer"
+    assert got == {c: expected[c[:2]] for c in cases}  # no gap, no repeat, seeded and greedy, streamed and not
+    assert took < RECOVERY_S
 
 
 def test_the_engine_replica_killed_is_replaced_and_the_counters_go_on(app):
