@@ -15,6 +15,7 @@ a 2-core laptop, where `serve run deployment:app` gives Ray exactly 2 CPUs.
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI
@@ -114,9 +115,10 @@ class KVFleetEngine:
                 "aggregator": e.aggregator}
 
     async def generate(self, request_id: str | None, prompt_token_ids: list[int], params: Any,
-                       cache_salt: str | None = None, drawn: int = 0) -> AsyncIterator[Any]:
+                       cache_salt: str | None = None, drawn: int = 0, routed: Any = None) -> AsyncIterator[Any]:
         """None once the engine has admitted the request (so the ingress answers a refusal with its status
-        code, before any response starts), then its token events. `drawn`: the request is re-sent (Engine.submit)."""
+        code, before any response starts), then its token events. `drawn`: the request is re-sent (Engine.submit).
+        `routed`: what the deployment's request router reads (`Routed`); the engine needs none of it."""
         events = self._engine.generate(request_id, prompt_token_ids, params, cache_salt, announce=True,
                                        drawn=drawn)
         async with contextlib.aclosing(events):  # closed when this stream is: the engine aborts the request then
@@ -142,12 +144,23 @@ class KVFleetEngine:
             await engine.shutdown()
 
 
+@dataclass(frozen=True)
+class Routed:
+    """What the engine deployment's request router may read of a request: Ray Serve LLM's
+    PrefixCacheAffinityRouter takes the text of a `prompt` attribute of any positional argument. The prompt
+    as the engine sees it (a chat's templated text), so its prefix tree follows what the caches hold."""
+
+    prompt: str
+
+
 class EngineClient:
     """The engine as the routes see it, across the engine deployment's handle: the same errors as the
     in-process Engine (never a Ray traceback), and a stream that aborts the request when it is closed."""
 
-    def __init__(self, handle: DeploymentHandle, tokenizer: Any, info: dict[str, Any], resend_s: float) -> None:
+    def __init__(self, handle: DeploymentHandle, tokenizer: Any, info: dict[str, Any], resend_s: float,
+                 route_text: bool = False) -> None:
         self._h = handle
+        self.route_text = route_text  # the request router reads the prompt's text (fleet_routing=prefix_affinity)
         self.resend_s = resend_s  # how long a request that lost its replica waits for one to take it again
         self._stream = handle.options(stream=True)
         self.tokenizer = tokenizer
@@ -166,8 +179,10 @@ class EngineClient:
         admit it within ADMISSION_TIMEOUT_S (it is being replaced: Serve queues the call) is a 503; one that
         dies (or cannot be reached) mid-stream gets it re-sent, prompt + tokens so far (deployment/resend.py)."""
 
+        routed = Routed(self.tokenizer.decode(prompt_token_ids)) if self.route_text else None
+
         def send(rid: str | None, prompt: list[int], left: Any, drawn: int) -> Any:
-            return self._stream.generate.remote(rid, prompt, left, cache_salt, drawn)
+            return self._stream.generate.remote(rid, prompt, left, cache_salt, drawn, routed)
 
         events = resending(send, request_id, prompt_token_ids, params, ADMISSION_TIMEOUT_S, self.resend_s)
         try:
@@ -215,7 +230,7 @@ class KVFleetIngress:
         self._settings = settings
         info = await engine.info.remote()  # waits for the engine's replica to be up
         self._engine = EngineClient(engine, load_tokenizer(settings.model or None), info,
-                                    settings.placement_timeout_s)
+                                    settings.placement_timeout_s, settings.fleet_routing == "prefix_affinity")
         self._stats = fleet_stats(settings, info["aggregator"])
 
     def __serve_build_asgi_app__(self) -> FastAPI:

@@ -3,6 +3,7 @@
 seeded; an unseeded sampled request keeps one seed; a refusal is not re-sent; the deadline gives a 503."""
 
 import asyncio
+import contextlib
 import itertools
 
 import pytest
@@ -64,7 +65,7 @@ class Handle:
     def options(self, stream: bool) -> "Handle":
         return self
 
-    def remote(self, rid, prompt, params, salt=None, drawn=0) -> Stream:
+    def remote(self, rid, prompt, params, salt=None, drawn=0, routed=None) -> Stream:
         i = len(self.calls)
         self.calls.append((rid, list(prompt), params, drawn))
         eng = self.replicas[min(i, len(self.replicas) - 1)]
@@ -196,3 +197,37 @@ class Cancellable:
         gen = self.fn(*args)
         return type("S", (), {"__aiter__": lambda s: s, "__anext__": lambda s: anext(gen),
                               "cancel": lambda s: None})()
+
+
+def test_rays_prefix_router_reads_the_prompt_text_from_what_the_ingress_sends():
+    """fleet_routing=prefix_affinity: Ray Serve LLM's router takes the text of a `prompt` attribute of a
+    positional argument of the handle call; without one it raises for every request."""
+    from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import PrefixCacheAffinityRouter
+    from ray.serve._private.request_router.common import PendingRequest
+
+    sent = []
+
+    class Capture:
+        generate = None
+
+        def options(self, stream):
+            return self
+
+        def remote(self, *args):
+            sent.append(args)
+            raise ray.exceptions.RayTaskError("generate", "stop here", RuntimeError("stop"))
+
+    handle = Capture()
+    handle.generate = handle
+    prompt = ByteTokenizer().encode("You are a helpful assistant. Tenant 7 asks:")
+    eng = EngineClient(handle, ByteTokenizer(), {"max_model_len": 256, "max_seq_len": 256, "vocab_size": 256},
+                       5.0, route_text=True)
+
+    async def main():
+        with contextlib.suppress(Exception):
+            await anext(eng.generate("cmpl-1", prompt, SamplingParams(**GREEDY)))
+        router = object.__new__(PrefixCacheAffinityRouter)  # its text extraction needs none of its state
+        pending = PendingRequest(args=list(sent[0]), kwargs={}, metadata=None)  # (made in a loop: a future)
+        return router._extract_text_from_request(pending)
+
+    assert run(main()) == ByteTokenizer().decode(prompt)
