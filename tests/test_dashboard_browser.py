@@ -11,6 +11,7 @@ import time
 import pytest
 from browser_support import browser, chart_points, dashboard_state, page  # noqa: F401  (fixtures)
 
+from deployment.fleet import FleetStats
 from deployment.mirror import StatsMirror
 from deployment.routes import create_api
 from deployment.settings import Settings
@@ -34,8 +35,8 @@ def hit_rate_text(stats: dict) -> str:
 class RecordStats(FakeStats):
     """FakeStats that serves whole cluster records as the aggregator builds them."""
 
-    def __init__(self, seed: int = 0) -> None:
-        super().__init__()
+    def __init__(self, seed: int = 0, engine_id: str = "engine-0") -> None:
+        super().__init__(engine_id)
         self.rng = random.Random(seed)
         self.cum = {"maxNumBlocks": 64, "freeNumBlocks": 64, "usedNumBlocks": 0, "tokensPerBlock": 16,
                     "allocTotalBlocks": 0, "allocNewBlocks": 0, "reusedBlocks": 0, "missedBlocks": 0,
@@ -71,7 +72,8 @@ class RecordStats(FakeStats):
         missing = [1] if missing_every and it % missing_every == missing_every - 1 else []
         s = it // 20  # 20 iterations a second
         return {"iter": it, "timestamp": f"2026-12-01T12:{s // 60 % 60:02d}:{s % 60:02d}.{it % 20 * 50:03d}Z",
-                "engineId": "engine-0", "aggregatorEpoch": 1, "numRanks": 2, "reportedRanks": [0, 1][:2 - len(missing)],
+                "engineId": self.engine_id, "aggregatorEpoch": 1, "numRanks": 2,
+                "reportedRanks": [0, 1][:2 - len(missing)],
                 "missingRanks": missing, "complete": not missing, "lateDeltas": 0,
                 "tpDivergence": [{"dpRank": 0, "tpRank": 1, "referenceTpRank": 0, "view": "window", "lifeCycle": 0,
                                   "field": "iterMissedBlocks", "expected": 1, "got": 2}] if it == 7 else [],
@@ -84,19 +86,22 @@ class RecordStats(FakeStats):
 
 
 class FakeApp:
-    """The app's routes over RecordStats on one port, stopped and started again as a test asks."""
+    """The app's routes over RecordStats on one port, stopped and started again as a test asks; over a dict
+    of them (engine id -> RecordStats), a fleet of that many engines."""
 
-    def __init__(self, stats: RecordStats, settings: Settings | None = None) -> None:
+    def __init__(self, stats: RecordStats | dict[str, RecordStats], settings: Settings | None = None) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.settings = settings or Settings(model="random", dp=2, tp=1)
+        replicas = len(stats) if isinstance(stats, dict) else 1
+        self.settings = settings or Settings(model="random", dp=2, tp=1, engine_replicas=replicas)
         self._stop = None
         self.start(stats)
 
-    def start(self, stats: RecordStats) -> None:
+    def start(self, stats: RecordStats | dict[str, RecordStats]) -> None:
         self.stats = stats
-        self._stop = run_uvicorn(create_api(FakeEngine(), StatsMirror(stats, keepalive_s=0.5), self.settings),
-                                 self.port)
+        source = (FleetStats.over(stats, keepalive_s=0.5) if isinstance(stats, dict)
+                  else StatsMirror(stats, keepalive_s=0.5))
+        self._stop = run_uvicorn(create_api(FakeEngine(), source, self.settings), self.port)
 
     def stop(self) -> None:
         self._stop()
@@ -232,3 +237,110 @@ def test_asks_for_the_api_key_and_keeps_it_for_the_tab(page):  # noqa: F811
         assert page.locator("#auth").is_hidden()
     finally:
         a.stop()
+
+
+# ---- several engines: the picker, the fleet view, one engine's stream
+
+FLEET_IDS = ["engine-0-0", "engine-0-1"]
+
+
+@pytest.fixture
+def fleet_app():
+    a = FakeApp({eid: RecordStats(seed=n, engine_id=eid) for n, eid in enumerate(FLEET_IDS)})
+    yield a
+    a.stop()
+
+
+def stream_requests(page) -> list[tuple[str, str | None]]:  # noqa: F811
+    """Every /stats/stream request the page makes, as (url, its Last-Event-ID)."""
+    got: list[tuple[str, str | None]] = []
+    page.on("request", lambda r: got.append((r.url, r.headers.get("last-event-id")))
+            if "/stats/stream" in r.url else None)
+    return got
+
+
+def wait_for_cursor(page, cursor: str) -> None:  # noqa: F811
+    """The fleet view has drawn up to `cursor` (its big number names the vector it drew)."""
+    page.wait_for_function("(c) => window.kvDashboard.lastId === c && "
+                           "document.getElementById('hit-rate').dataset.iter === c", arg=cursor, timeout=WAIT_MS)
+
+
+def traces(page, chart: str) -> dict[str, int]:  # noqa: F811
+    return page.evaluate("(id) => Object.fromEntries((document.getElementById(id).data || []).map("
+                         "t => [t.name, t.x.length]))", chart)
+
+
+def fleet_hit_rate_text(stats: dict[str, RecordStats]) -> str:
+    last = [s.records[-1]["kvCacheStats"] for s in stats.values()]
+    return hit_rate_text({k: sum(c[k] for c in last) for k in ("reusedBlocks", "missedBlocks")})
+
+
+def test_one_engine_has_no_picker(app, page):  # noqa: F811
+    app.stats.push(3)
+    page.goto(f"{app.url}/dashboard")
+    wait_for_iter(page, 2)
+    assert page.locator("#engine-picker").is_hidden()
+
+
+def test_fleet_view_draws_every_engine_and_one_engine_is_its_own_stream(fleet_app, page):  # noqa: F811
+    a, b = (fleet_app.stats[eid] for eid in FLEET_IDS)
+    a.push(30)
+    b.push(20, missing_every=20)  # b's iteration 19 is incomplete
+    streams = stream_requests(page)
+    page.goto(f"{fleet_app.url}/dashboard")
+    page.locator("#engine-picker").wait_for(state="visible", timeout=WAIT_MS)
+    options = page.evaluate("() => [...document.getElementById('engine').options].map(o => [o.value, o.text])")
+    assert options == [["", "all engines (fleet)"], *[[eid, eid] for eid in FLEET_IDS]]
+    wait_for_cursor(page, "engine-0-0:29,engine-0-1:19")
+    st = dashboard_state(page)
+    assert st["received"] == 50 and st["duplicates"] == 0 and st["records"] == 50
+    assert streams == [(f"{fleet_app.url}/stats/stream?interval_ms=500", None)]
+    assert traces(page, "chart-hit") == {"hit rate % · engine-0-0": 30, "hit rate % · engine-0-1": 20}
+    assert traces(page, "chart-reuse")["missed · engine-0-1"] == 20
+    assert page.locator("#hit-rate").inner_text() == fleet_hit_rate_text(fleet_app.stats)
+    page.wait_for_function("() => document.querySelectorAll('.rank').length === 4", timeout=WAIT_MS)
+    assert page.locator('.rank.down[data-engine="engine-0-1"][data-rank="1"]').count() == 1
+    assert page.locator('.rank.down[data-engine="engine-0-0"]').count() == 0
+    assert "engine-0-1 iter 19: incomplete: ranks 1 missing" in page.locator("#flags").inner_text()
+
+    page.select_option("#engine", "engine-0-1")  # one engine: today's page over its own stream
+    wait_for_iter(page, 19)
+    st = dashboard_state(page)
+    assert st["received"] == 20 and st["records"] == 20 and st["connects"] == 2
+    assert streams[-1] == (f"{fleet_app.url}/stats/stream?engine=engine-0-1&interval_ms=500", None)
+    assert traces(page, "chart-hit") == {"hit rate %": 20}
+    assert page.locator("#hit-rate").inner_text() == hit_rate_text(b.records[-1]["kvCacheStats"])
+    page.wait_for_function("() => document.querySelectorAll('.rank').length === 2 && "
+                           "!document.querySelector('.rank[data-engine]')", timeout=WAIT_MS)
+    b.push(5)  # it follows that engine live
+    wait_for_iter(page, 24)
+    assert dashboard_state(page)["received"] == 25
+
+    page.select_option("#engine", "")  # back to the fleet: every record again
+    wait_for_cursor(page, "engine-0-0:29,engine-0-1:24")
+    assert dashboard_state(page)["received"] == 55
+    assert streams[-1] == (f"{fleet_app.url}/stats/stream?interval_ms=500", None)
+    assert page.js_errors == []
+
+
+def test_fleet_view_resumes_with_the_vector_and_restarts_a_fresh_engine_alone(fleet_app, page):  # noqa: F811
+    a, b = (fleet_app.stats[eid] for eid in FLEET_IDS)
+    a.push(30)
+    b.push(20)
+    streams = stream_requests(page)
+    page.goto(f"{fleet_app.url}/dashboard")
+    wait_for_cursor(page, "engine-0-0:29,engine-0-1:19")
+    fleet_app.stop()
+    page.wait_for_function("() => !window.kvDashboard.live", timeout=WAIT_MS)
+    a.push(10)  # written while the page was away
+    fresh = RecordStats(seed=7, engine_id="engine-0-1")
+    fresh.push(5)  # engine-0-1's aggregator came back numbering from 0: the page starts it again alone
+    fleet_app.start({"engine-0-0": a, "engine-0-1": fresh})
+    wait_for_cursor(page, "engine-0-0:39,engine-0-1:4")
+    st = dashboard_state(page)
+    assert st["resets"] == 1 and st["duplicates"] == 0
+    assert st["records"] == 40 + 5, "engine-0-0's records were lost or repeated, or engine-0-1's old ones kept"
+    assert streams[-1][1] == "engine-0-0:29", "the cursor sent back names the fresh engine from its oldest record"
+    assert "engine-0-1: this engine has another history" in page.locator("#flags").inner_text()
+    assert page.locator("#hit-rate").inner_text() == fleet_hit_rate_text({"a": a, "b": fresh})
+    assert page.js_errors == []

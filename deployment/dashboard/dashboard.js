@@ -4,6 +4,8 @@
 // batched: the charts are redrawn at most every REDRAW_MS from the last MAX_RECORDS records (Plotly.react),
 // and the server is asked for the records of each REDRAW_MS in one write (interval_ms): a GPU's 100 records a
 // second would otherwise cost its proxy 100 writes a second per open page.
+// With several engines (/health names them) a picker chooses the fleet, every engine's records merged (a trace
+// per engine: each numbers its own iterations, so no per-iteration sum is honest), or one engine's stream.
 'use strict';
 (() => {
   const MAX_RECORDS = 2000;
@@ -17,7 +19,10 @@
   const state = {
     records: [], firstIter: null, lastId: null, lastTimestamp: null, received: 0, duplicates: 0, connects: 0,
     resets: 0, live: false,
-    dirty: false, redraws: 0, redrawMs: 0, views: new Set(), incomplete: 0, divergent: 0, epoch: null, ranks: null,
+    dirty: false, redraws: 0, redrawMs: 0, views: new Set(), incomplete: 0, divergent: 0, epochs: {}, ranks: null,
+    // engines: the ids /health names (null until asked); engine: the one picked, null for all of them;
+    // cursor and latest: each engine's last record seen (the fleet view resumes and checks history per engine)
+    engines: null, engine: null, cursor: {}, latest: {},
   };
   window.kvDashboard = state;
   const $ = (id) => document.getElementById(id);
@@ -52,6 +57,44 @@
     }
   }
 
+  // ---- engines
+  const fleetView = () => (state.engines || []).length > 1 && state.engine === null;
+
+  // a path with its query; `engine` first, as the picked engine's stream is named
+  function url(path, params = {}, engine = state.engine) {
+    const q = new URLSearchParams(engine === null ? params : {engine, ...params}).toString();
+    return q ? `${path}?${q}` : path;
+  }
+
+  // /health is open (no key) and names the engines only when there are several; a 503 still names them
+  async function discoverEngines() {
+    const resp = await fetch('health', {headers: {Accept: 'application/json'}, cache: 'no-store'});
+    const body = await resp.json().catch(() => ({}));
+    state.engines = Object.keys(body.engines || {});
+    if (state.engines.length < 2) return;
+    for (const eid of state.engines) $('engine').add(new Option(eid, eid));
+    $('engine-picker').hidden = false;
+  }
+
+  let conn = null;  // the open stream's AbortController: the picker aborts it to switch streams
+  $('engine').addEventListener('change', () => {
+    state.engine = $('engine').value || null;
+    resetView();
+    if (conn) conn.abort();  // follow() reconnects at once, to the new stream
+  });
+
+  // what the page drew comes from one stream: another stream starts from nothing
+  function resetView() {
+    Object.assign(state, {records: [], firstIter: null, lastId: null, lastTimestamp: null, received: 0,
+      duplicates: 0, incomplete: 0, divergent: 0, epochs: {}, ranks: null, cursor: {}, latest: {}, dirty: true});
+    $('flags').replaceChildren();
+    $('flag-counts').textContent = 'incomplete records 0 · tp divergence 0';
+    $('hit-rate').textContent = '–';
+    $('last-iter').textContent = '–';
+    $('ranks').replaceChildren();
+    document.querySelectorAll('.chart').forEach((el) => Plotly.purge(el));
+  }
+
   // ---- the stream
   function setLive(live, why) {
     state.live = live;
@@ -60,32 +103,60 @@
   }
 
   // A fresh app numbers its iterations from 0 again, and resuming after Last-Event-ID would wait forever:
-  // before resuming, check that the server still holds the very record we saw last.
+  // before resuming, check that the server still holds the very record we saw last (in the fleet view, each
+  // engine's: an engine with another history starts again alone, left out of the cursor sent back).
   async function checkHistory() {
-    const got = await getJSON(`stats?since=${state.lastId - 1}&limit=1`);
-    if (got.length === 1 && got[0].iter === state.lastId && got[0].timestamp === state.lastTimestamp) return;
+    if (fleetView()) {
+      for (const [eid, seen] of Object.entries(state.cursor)) {
+        if (!(await holds(seen, eid))) restartEngine(eid);
+      }
+      return;
+    }
+    if (await holds({iter: state.lastId, timestamp: state.lastTimestamp}, state.engine)) return;
     state.resets += 1;
-    addFlag(state.lastId, 'the server has another history (a fresh app): starting again from its oldest record');
+    addFlag(`iter ${state.lastId}`,
+            'the server has another history (a fresh app): starting again from its oldest record');
     state.records = [];
-    state.firstIter = state.lastId = state.lastTimestamp = state.epoch = null;
+    state.firstIter = state.lastId = state.lastTimestamp = null;
+    state.epochs = {};
+  }
+
+  async function holds(seen, engine) {
+    const got = await getJSON(url('stats', {since: seen.iter - 1, limit: 1}, engine));
+    return got.length === 1 && got[0].iter === seen.iter && got[0].timestamp === seen.timestamp;
+  }
+
+  function restartEngine(eid) {
+    state.resets += 1;
+    addFlag(eid, 'this engine has another history (a fresh aggregator): starting it again from its oldest record');
+    state.records = state.records.filter((r) => r.engineId !== eid);
+    delete state.cursor[eid];
+    delete state.latest[eid];
+    delete state.epochs[eid];
+    const left = Object.entries(state.cursor).map(([e, c]) => `${e}:${c.iter}`);
+    state.lastId = left.length ? left.join(',') : null;
   }
 
   async function follow() {
     let backoff = 500;
     for (;;) {
+      conn = new AbortController();
+      const {signal} = conn;
       try {
+        if (state.engines === null) await discoverEngines();
         if (state.lastId !== null) await checkHistory();
         const headers = withKey({Accept: 'text/event-stream'});
         if (state.lastId !== null) headers['Last-Event-ID'] = String(state.lastId);
-        const resp = await fetch(`stats/stream?interval_ms=${REDRAW_MS}`, {headers, cache: 'no-store'});
+        const resp = await fetch(url('stats/stream', {interval_ms: REDRAW_MS}), {headers, cache: 'no-store', signal});
         if (resp.status === 401) { await askForKey(); continue; }
         if (!resp.ok || !resp.body) throw new Error(`HTTP ${resp.status}`);
         state.connects += 1;
         backoff = 500;
         setLive(true);
-        await readEvents(resp.body);
+        await readEvents(resp.body, signal);
         throw new Error('the stream ended');
       } catch (err) {
+        if (signal.aborted) continue;  // the picker switched streams: no backoff
         setLive(false, err.message);
       }
       await sleep(backoff * (0.75 + Math.random() / 2));
@@ -94,7 +165,7 @@
   }
 
   // SSE as the WHATWG spec reads it (our server ends lines with \n): a blank line dispatches the event
-  async function readEvents(body) {
+  async function readEvents(body, signal) {
     const reader = body.pipeThrough(new TextDecoderStream()).getReader();
     let buf = '';
     let data = [];
@@ -103,6 +174,7 @@
     for (;;) {
       const {value, done} = await reader.read();
       if (done) return;
+      if (signal.aborted) throw new Error('switched');  // a read that resolved just before the abort
       const lines = (buf + value).split('\n');
       buf = lines.pop();
       for (let line of lines) {
@@ -124,37 +196,54 @@
     }
   }
 
+  // where a flag happened: the fleet view names the engine, whose iterations those are
+  const flagAt = (rec) => (fleetView() ? `${rec.engineId} iter ${rec.iter}` : `iter ${rec.iter}`);
+
+  // the merged stream repeats no engine's record: an older one means that engine's aggregator came back with
+  // another history, and the server follows it from its oldest record again (docs/http-api.md)
+  function olderThanSeen(rec) {
+    const seen = state.cursor[rec.engineId];
+    return seen !== undefined && rec.iter <= seen.iter;
+  }
+
   function ingest(rec, id) {
-    if (state.lastId !== null && rec.iter <= state.lastId) { state.duplicates += 1; return; }
+    const fleet = fleetView();
+    if (fleet && olderThanSeen(rec)) restartEngine(rec.engineId);
+    if (!fleet && state.lastId !== null && rec.iter <= state.lastId) { state.duplicates += 1; return; }
     if (state.firstIter === null) state.firstIter = rec.iter;
-    state.lastId = id === null ? rec.iter : Number(id);
+    state.lastId = id === null ? rec.iter : fleet ? id : Number(id);  // the fleet's id is the vector cursor
     state.lastTimestamp = rec.timestamp;
+    if (fleet) {
+      state.cursor[rec.engineId] = {iter: rec.iter, timestamp: rec.timestamp};
+      state.latest[rec.engineId] = rec;  // the fleet's big number sums each engine's newest cumulative counts
+    }
     state.received += 1;
     state.records.push(rec);
     if (rec.complete === false) {
       state.incomplete += 1;
-      addFlag(rec.iter, `incomplete: ranks ${(rec.missingRanks || []).join(', ')} missing`);
+      addFlag(flagAt(rec), `incomplete: ranks ${(rec.missingRanks || []).join(', ')} missing`);
     }
     const div = rec.tpDivergence || [];
     if (div.length) {
       state.divergent += 1;
       const d = div[0];
-      addFlag(rec.iter, `tp divergence (${div.length}): dp ${d.dpRank} tp ${d.tpRank} ${d.view} ${d.field}: ` +
+      addFlag(flagAt(rec), `tp divergence (${div.length}): dp ${d.dpRank} tp ${d.tpRank} ${d.view} ${d.field}: ` +
               `expected ${d.expected}, got ${d.got}`);
     }
-    (rec.errors || []).forEach((e) => addFlag(rec.iter, `error: ${typeof e === 'string' ? e : JSON.stringify(e)}`));
-    if (state.epoch !== null && rec.aggregatorEpoch !== state.epoch) {
-      addFlag(rec.iter, `aggregator restarted (epoch ${state.epoch} -> ${rec.aggregatorEpoch})`, false);
+    (rec.errors || []).forEach((e) => addFlag(flagAt(rec), `error: ${typeof e === 'string' ? e : JSON.stringify(e)}`));
+    const key = fleet ? rec.engineId : '';
+    if (state.epochs[key] !== undefined && rec.aggregatorEpoch !== state.epochs[key]) {
+      addFlag(flagAt(rec), `aggregator restarted (epoch ${state.epochs[key]} -> ${rec.aggregatorEpoch})`, false);
     }
-    state.epoch = rec.aggregatorEpoch;
+    state.epochs[key] = rec.aggregatorEpoch;
     for (const w of Object.keys(rec.kvCacheIterationStats || {})) addView(`w:${w}`, `window ${w}`);
     for (const g of Object.keys(rec.kvCacheIterationStatsByPoolGroup || {})) addView(`g:${g}`, `pool group ${g}`);
     state.dirty = true;
   }
 
-  function addFlag(iter, text, bad = true) {
+  function addFlag(where, text, bad = true) {
     const li = document.createElement('li');
-    li.textContent = `iter ${iter}: ${text}`;
+    li.textContent = `${where}: ${text}`;
     if (bad) li.className = 'bad';
     $('flags').prepend(li);
     while ($('flags').children.length > MAX_FLAGS) $('flags').lastChild.remove();
@@ -197,52 +286,78 @@
     datarevision: state.redraws, xaxis: {title: {text: ''}}, ...extra,
   });
   const line = (name, x, y, extra) => ({type: 'scatter', mode: 'lines', name, x, y, ...extra});
-  const stacked = (name, x, y) => line(name, x, y, {stackgroup: 'one'});
 
-  function drawBig(last) {
-    const s = last.kvCacheStats || {};
+  // what to draw: one series of records, or in the fleet view one per engine (eid names its traces)
+  function series() {
+    if (!fleetView()) return [{eid: null, recs: state.records}];
+    const by = new Map(state.engines.map((eid) => [eid, []]));
+    for (const r of state.records) by.get(r.engineId)?.push(r);
+    return [...by].filter(([, recs]) => recs.length).map(([eid, recs]) => ({eid, recs}));
+  }
+  const named = (name, eid) => (eid === null ? name : `${name} · ${eid}`);
+  // each engine stacks on its own: another engine's iteration i is another moment
+  const stacker = (eid) => (name, x, y) => line(named(name, eid), x, y, {stackgroup: eid ?? 'one'});
+
+  function drawBig(recs) {
+    let s = recs[recs.length - 1].kvCacheStats || {};
+    let iter = recs[recs.length - 1].iter;
+    if (fleetView()) {  // the fleet's counts: each engine's newest cumulative counts, summed
+      const latest = Object.values(state.latest).map((r) => r.kvCacheStats || {});
+      s = {reusedBlocks: sum(latest, 'reusedBlocks'), missedBlocks: sum(latest, 'missedBlocks')};
+      iter = state.lastId;
+    }
     const reused = s.reusedBlocks || 0;
     const missed = s.missedBlocks || 0;
     const big = $('hit-rate');
     big.textContent = `${(100 * hitRate(reused, missed)).toFixed(1)}%`;
-    Object.assign(big.dataset, {iter: last.iter, reused, missed});
-    $('hit-detail').textContent = `reused ${reused} / (reused + missed ${missed}) blocks since start`;
-    $('last-iter').textContent = last.iter;
+    Object.assign(big.dataset, {iter, reused, missed});
+    $('hit-detail').textContent = `reused ${reused} / (reused + missed ${missed}) blocks since start` +
+      (fleetView() ? `, ${Object.keys(state.latest).length} engines` : '');
+    $('last-iter').textContent = iter;
     $('window-info').textContent = `${state.records.length} records in view`;
   }
 
-  function drawCharts(recs, view) {
-    const x = recs.map((r) => r.iter);
-    const picked = recs.map((r) => pick(r, view));
-    const reuse = (f) => picked.map((p) => sum(p.reuse, f));
-    const gauge = (f) => picked.map((p) => sum(p.pools, f));
-    // reuse is drawn for the iterations that matched or allocated prompt blocks (decode-only steps have none)
-    const reused = reuse('iterReusedBlocks');
-    const missed = reuse('iterMissedBlocks');
-    const active = x.map((_, i) => i).filter((i) => reused[i] + missed[i] > 0);
-    const at = (ys) => active.map((i) => ys[i]);
-    const xa = at(x);
-    Plotly.react('chart-hit', [line('hit rate %', xa, active.map((i) => 100 * hitRate(reused[i], missed[i])),
-      {})],
-    layout({yaxis: {range: [0, 100], ticksuffix: '%'}, showlegend: false}), PLOT_CONFIG);
-    Plotly.react('chart-reuse', [stacked('full reused', xa, at(reuse('iterFullReusedBlocks'))),
-      stacked('partial reused', xa, at(reuse('iterPartialReusedBlocks'))), stacked('missed', xa, at(missed))],
-    layout({yaxis: {title: {text: 'blocks'}}}), PLOT_CONFIG);
+  function drawCharts(all, view) {
+    const hit = [];
+    const reuseTraces = [];
+    const blocks = [];
+    const bytes = [];
+    for (const {eid, recs} of all) {
+      const stacked = stacker(eid);
+      const x = recs.map((r) => r.iter);
+      const picked = recs.map((r) => pick(r, view));
+      const reuse = (f) => picked.map((p) => sum(p.reuse, f));
+      const gauge = (f) => picked.map((p) => sum(p.pools, f));
+      // reuse is drawn for the iterations that matched or allocated prompt blocks (decode-only steps have none)
+      const reused = reuse('iterReusedBlocks');
+      const missed = reuse('iterMissedBlocks');
+      const active = x.map((_, i) => i).filter((i) => reused[i] + missed[i] > 0);
+      const at = (ys) => active.map((i) => ys[i]);
+      const xa = at(x);
+      hit.push(line(named('hit rate %', eid), xa, active.map((i) => 100 * hitRate(reused[i], missed[i])), {}));
+      reuseTraces.push(stacked('full reused', xa, at(reuse('iterFullReusedBlocks'))),
+        stacked('partial reused', xa, at(reuse('iterPartialReusedBlocks'))), stacked('missed', xa, at(missed)));
 
-    const used = gauge('primaryUsedNumBlocks');
-    const evictable = gauge('primaryEvictableNumBlocks');
-    const free = gauge('primaryFreeNumBlocks').map((f, i) => f - evictable[i]);  // free counts evictable
-    Plotly.react('chart-blocks', [stacked('primary used', x, used), stacked('primary evictable', x, evictable),
-      stacked('primary free', x, free), line('secondary used', x, gauge('secondaryUsedNumBlocks'),
-        {line: {dash: 'dot'}})], layout({yaxis: {title: {text: 'blocks'}}}), PLOT_CONFIG);
-
-    drawBytes(recs, picked);
+      const used = gauge('primaryUsedNumBlocks');
+      const evictable = gauge('primaryEvictableNumBlocks');
+      const free = gauge('primaryFreeNumBlocks').map((f, i) => f - evictable[i]);  // free counts evictable
+      blocks.push(stacked('primary used', x, used), stacked('primary evictable', x, evictable),
+        stacked('primary free', x, free), line(named('secondary used', eid), x, gauge('secondaryUsedNumBlocks'),
+          {line: {dash: 'dot'}}));
+      bytes.push(...bytesTraces(recs, picked, eid));
+    }
+    Plotly.react('chart-hit', hit, layout({yaxis: {range: [0, 100], ticksuffix: '%'}, showlegend: all.length > 1}),
+                 PLOT_CONFIG);
+    Plotly.react('chart-reuse', reuseTraces, layout({yaxis: {title: {text: 'blocks'}}}), PLOT_CONFIG);
+    Plotly.react('chart-blocks', blocks, layout({yaxis: {title: {text: 'blocks'}}}), PLOT_CONFIG);
+    Plotly.react('chart-bytes', bytes, layout({yaxis: {title: {text: 'bytes/s'}}, xaxis: {type: 'date'}}),
+                 PLOT_CONFIG);
   }
 
   // bytes per wall-clock second: each record's bytes go to the second its step finished in; seconds without a
   // record moved nothing (0), up to MAX_IDLE_S of them, past which the line breaks
   const MAX_IDLE_S = 600;
-  function drawBytes(recs, picked) {
+  function bytesTraces(recs, picked, eid) {
     const fields = ['iterOnboardBytes', 'iterOffloadBytes', 'iterHostDroppedBytes'];
     const t = [];
     const ys = fields.map(() => []);
@@ -257,66 +372,84 @@
       fields.forEach((f, k) => { ys[k][ys[k].length - 1] += sum(picked[i].pools, f); });
     });
     const names = ['onboard (host → primary)', 'offload (primary → host)', 'dropped from the last tier'];
-    Plotly.react('chart-bytes', names.map((n, k) => line(n, t, ys[k])),
-                 layout({yaxis: {title: {text: 'bytes/s'}}, xaxis: {type: 'date'}}), PLOT_CONFIG);
+    return names.map((n, k) => line(named(n, eid), t, ys[k]));
   }
 
-  function drawRequests(recs) {
-    const has = recs.some((r) => r.numActiveRequests !== undefined);
+  function drawRequests(all) {
+    const has = all.some(({recs}) => recs.some((r) => r.numActiveRequests !== undefined));
     $('sec-requests').hidden = !has;
     if (!has) return;
-    const x = recs.map((r) => r.iter);
-    Plotly.react('chart-requests', [line('running', x, recs.map((r) => r.numActiveRequests)),
-      line('queued', x, recs.map((r) => r.numQueuedRequests)),
-      line('iteration ms', x, recs.map((r) => r.iterLatencyMS), {yaxis: 'y2', line: {dash: 'dot'}})],
-    layout({yaxis: {title: {text: 'requests'}}, yaxis2: {title: {text: 'ms'}, overlaying: 'y', side: 'right'}}),
-    PLOT_CONFIG);
+    const traces = all.flatMap(({eid, recs}) => {
+      const x = recs.map((r) => r.iter);
+      return [line(named('running', eid), x, recs.map((r) => r.numActiveRequests)),
+        line(named('queued', eid), x, recs.map((r) => r.numQueuedRequests)),
+        line(named('iteration ms', eid), x, recs.map((r) => r.iterLatencyMS), {yaxis: 'y2', line: {dash: 'dot'}})];
+    });
+    Plotly.react('chart-requests', traces,
+                 layout({yaxis: {title: {text: 'requests'}}, yaxis2: {title: {text: 'ms'}, overlaying: 'y',
+                   side: 'right'}}), PLOT_CONFIG);
   }
 
-  function drawRouting(recs) {
-    const routed = recs.filter((r) => r.routing);
+  function drawRouting(all) {
+    const routed = all.map(({eid, recs}) => ({eid, recs: recs.filter((r) => r.routing)}))
+      .filter(({recs}) => recs.length);
     $('sec-routing-groups').hidden = $('sec-routing-reuse').hidden = !routed.length;
     if (!routed.length) return;
-    const perGroup = {};
-    for (const r of routed) {
-      for (const [g, n] of Object.entries(r.routing.perGroupRequests || {})) perGroup[g] = (perGroup[g] || 0) + n;
+    const bars = [];
+    const reuse = [];
+    for (const {eid, recs} of routed) {
+      const perGroup = {};
+      for (const r of recs) {
+        for (const [g, n] of Object.entries(r.routing.perGroupRequests || {})) perGroup[g] = (perGroup[g] || 0) + n;
+      }
+      const groups = Object.keys(perGroup).sort((a, b) => a - b);
+      bars.push({type: 'bar', x: groups.map((g) => named(`dp ${g}`, eid)), y: groups.map((g) => perGroup[g]),
+        ...(eid === null ? {} : {name: eid})});
+      let predicted = 0;
+      let realized = 0;
+      const x = recs.map((r) => r.iter);
+      const p = recs.map((r) => (predicted += r.routing.predictedReusedBlocks || 0));
+      const q = recs.map((r) => (realized += r.routing.realizedReusedBlocks || 0));
+      reuse.push(line(named('predicted', eid), x, p), line(named('realized', eid), x, q));
     }
-    const groups = Object.keys(perGroup).sort((a, b) => a - b);
-    Plotly.react('chart-routing-groups', [{type: 'bar', x: groups.map((g) => `dp ${g}`),
-      y: groups.map((g) => perGroup[g])}], layout({showlegend: false, xaxis: {type: 'category'}}), PLOT_CONFIG);
-    let predicted = 0;
-    let realized = 0;
-    const x = routed.map((r) => r.iter);
-    const p = routed.map((r) => (predicted += r.routing.predictedReusedBlocks || 0));
-    const q = routed.map((r) => (realized += r.routing.realizedReusedBlocks || 0));
-    Plotly.react('chart-routing-reuse', [line('predicted', x, p), line('realized', x, q)],
-                 layout({yaxis: {title: {text: 'blocks'}}, title: {text: `policy ${routed.at(-1).routing.policy}`,
-                   font: {size: 12}, y: 0.97}}), PLOT_CONFIG);
+    Plotly.react('chart-routing-groups', bars, layout({showlegend: false, xaxis: {type: 'category'}}), PLOT_CONFIG);
+    const policy = routed.at(-1).recs.at(-1).routing.policy;
+    Plotly.react('chart-routing-reuse', reuse, layout({yaxis: {title: {text: 'blocks'}},
+      title: {text: `policy ${policy}`, font: {size: 12}, y: 0.97}}), PLOT_CONFIG);
   }
 
+  // the fleet view: /stats/ranks lists every engine's ranks, {engine id: {rank: ...}}
   function drawRanks() {
-    const last = state.records[state.records.length - 1];
-    const n = last ? last.numRanks : Object.keys(state.ranks || {}).length;
-    if (!n) return;
+    const cells = fleetView()
+      ? state.engines.flatMap((eid) => rankCells((state.ranks || {})[eid], state.latest[eid], eid))
+      : rankCells(state.ranks, state.records[state.records.length - 1], null);
+    if (!cells.length) return;
+    $('ranks').replaceChildren(...cells);
+    $('ranks').classList.remove('muted');
+  }
+
+  function rankCells(ranks, last, eid) {
+    const n = (last && last.numRanks) || Object.keys(ranks || {}).length;
     const missing = new Set(last ? last.missingRanks || [] : []);
     const cells = [];
     for (let r = 0; r < n; r++) {
-      const info = (state.ranks || {})[String(r)] || {};
+      const info = (ranks || {})[String(r)] || {};
       const s = (info.record || {}).kvCacheStats || {};
       const pct = s.maxNumBlocks ? (100 * s.usedNumBlocks) / s.maxNumBlocks : 0;
       const reported = Boolean(info.record);  // a rank that never reported yet is not down
       const down = missing.has(r) || (reported && info.healthy === false);
       const cell = document.createElement('div');
       cell.className = down ? 'rank down' : 'rank';
-      Object.assign(cell.dataset, {rank: r, reported});
+      Object.assign(cell.dataset, {rank: r, reported}, eid === null ? {} : {engine: eid});
       cell.style.background = `linear-gradient(to top, #9ecae1 ${pct}%, #fff ${pct}%)`;
       const where = info.dp_rank === undefined ? '' : ` dp${info.dp_rank}/tp${info.tp_rank}`;
       const what = down ? 'down' : reported ? `${pct.toFixed(0)}% used` : 'no report yet';
-      cell.innerHTML = `<b>rank ${r}</b><span>${where}</span><span>${what}</span>`;
+      for (const [tag, text] of [['b', named(`rank ${r}`, eid)], ['span', where], ['span', what]]) {
+        cell.append(Object.assign(document.createElement(tag), {textContent: text}));
+      }
       cells.push(cell);
     }
-    $('ranks').replaceChildren(...cells);
-    $('ranks').classList.remove('muted');
+    return cells;
   }
 
   function redraw() {
@@ -324,21 +457,24 @@
     state.dirty = false;
     state.redraws += 1;
     const t0 = performance.now();
-    if (state.records.length > MAX_RECORDS) state.records.splice(0, state.records.length - MAX_RECORDS);
-    const recs = state.records;
+    const keep = MAX_RECORDS * (fleetView() ? state.engines.length : 1);  // the fleet: 2,000 per engine
+    if (state.records.length > keep) state.records.splice(0, state.records.length - keep);
     drawRanks();
-    if (!recs.length) return;
-    drawBig(recs[recs.length - 1]);
-    drawCharts(recs, $('view').value);
-    drawRequests(recs);
-    drawRouting(recs);
+    if (!state.records.length) return;
+    const all = series();
+    drawBig(state.records);
+    drawCharts(all, $('view').value);
+    drawRequests(all);
+    drawRouting(all);
     state.redrawMs = performance.now() - t0;
   }
 
   async function pollRanks() {
     for (;;) {
       try {
-        state.ranks = await getJSON('stats/ranks');
+        const path = url('stats/ranks');
+        const got = await getJSON(path);
+        if (path === url('stats/ranks')) state.ranks = got;  // not a switched-away engine's answer
         state.dirty = true;
       } catch (err) {
         // the stream's status shows what is wrong; the strip keeps its last picture
