@@ -14,13 +14,12 @@ import asyncio
 import heapq
 import itertools
 import logging
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from aggregator.buffer import LongPoll
 from deployment.fleet_metrics import merge_metrics
-from deployment.mirror import CHUNK, StatsMirror, Upstream
+from deployment.mirror import CHUNK, StatsMirror, Upstream, paced
 from deployment.sse import format_comment, format_event
 from kvcache.stats import hit_rate
 
@@ -154,17 +153,10 @@ class FleetStats:
 
         try:
             await self._ready()
-            wrote = float("-inf")
-            while True:
-                got = await self._changes.wait(poll, self.keepalive_s)
+            async for got in paced(self._changes, poll, interval_s, self.keepalive_s):
                 if not got:
                     yield format_comment("keepalive")
                     continue
-                early = wrote + interval_s - time.monotonic()
-                if early > 0:
-                    await asyncio.sleep(early)
-                    got = poll()
-                wrote = time.monotonic() if len(got) < CHUNK else float("-inf")
                 out = []
                 for eid, e in got:
                     pos[eid] = e["iter"]

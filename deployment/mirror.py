@@ -17,7 +17,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from aggregator.buffer import LongPoll, RecordBuffer
@@ -37,6 +37,22 @@ class Upstream(Protocol):
     async def kv_cache_stats(self) -> dict: ...
     async def metrics_text(self) -> str: ...
     async def health(self) -> dict: ...
+
+
+async def paced(changes: LongPoll, poll: Callable[[], list], interval_s: float,
+                keepalive_s: float) -> AsyncIterator[list]:
+    """What `poll()` has whenever it has something, at least `interval_s` apart (a full CHUNK goes on at once:
+    the reader is behind), or [] after `keepalive_s` with nothing (a keepalive is due): one SSE write each."""
+    wrote = float("-inf")
+    while True:
+        got = await changes.wait(poll, keepalive_s)
+        if got:
+            early = wrote + interval_s - time.monotonic()
+            if early > 0:
+                await asyncio.sleep(early)  # the pacing itself: records of one interval go in one write
+                got = poll()
+            wrote = time.monotonic() if len(got) < CHUNK else float("-inf")
+        yield got
 
 
 class StatsMirror:
@@ -176,18 +192,17 @@ class StatsMirror:
         per record. A reader behind the mirror's window resumes at its oldest record."""
         self.subscribers += 1
         try:
-            last, wrote = since, float("-inf")
-            while True:
-                got = await self._wait(last, self.keepalive_s)
+            await self._ready()
+            last = since
+
+            def poll() -> list[dict]:
+                return self._records.since(last, CHUNK)  # from the reader's position, as the loop moves it
+
+            async for got in paced(self._changes, poll, interval_s, self.keepalive_s):
                 if not got:
                     yield format_comment("keepalive")
                     continue
-                early = wrote + interval_s - time.monotonic()
-                if early > 0:
-                    await asyncio.sleep(early)
-                    got = self._records.since(last, CHUNK)
                 last = got[-1]["iter"]
-                wrote = time.monotonic() if len(got) < CHUNK else float("-inf")  # a full one: behind, go on
                 yield "".join(format_event(e["json"], id=e["iter"], event="stats") for e in got)
         finally:
             self.subscribers -= 1

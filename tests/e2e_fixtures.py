@@ -60,6 +60,20 @@ def start_app(name: str, settings: dict, route_prefix: str = "/") -> str:
     return url
 
 
+def module_app(name: str, settings: dict, route_prefix: str):
+    """A module's own app on the session cluster: started once for the module's tests, deleted after them."""
+
+    @pytest.fixture(scope="module")
+    def app(ray_cluster):
+        from ray import serve
+
+        yield start_app(name, settings, route_prefix=route_prefix)
+        if name in serve.status().applications:
+            serve.delete(name)
+
+    return app
+
+
 @pytest.fixture(scope="session")
 def serve_app(ray_cluster) -> str:
     """Base URL (http://127.0.0.1:PORT) of the running kvfleet app."""
@@ -124,3 +138,14 @@ def prometheus_query(target: str, query: str, workdir: pathlib.Path, timeout_s: 
                 return result
             time.sleep(1.0)  # poll interval (one scrape interval)
         raise TimeoutError(f"no PromQL answer for {query!r} in {timeout_s}s")
+
+
+def summed_counters(records: list[dict], counters: dict[str, str]) -> dict[str, int]:
+    """The records' iteration counters summed over every window (`counters`: iteration name -> cumulative
+    name), to hold against the change of the cumulative kvCacheStats: the conservation law."""
+    out = dict.fromkeys(counters.values(), 0)
+    for r in records:
+        for bucket in r["kvCacheIterationStats"].values():
+            for it, cum in counters.items():
+                out[cum] += bucket.get(it, 0)
+    return out

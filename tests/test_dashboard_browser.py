@@ -119,6 +119,14 @@ def wait_for_iter(page, it: int) -> None:  # noqa: F811
                            "document.getElementById('hit-rate').dataset.iter == String(it)", arg=it, timeout=WAIT_MS)
 
 
+def shown_then_away(app, page, last_iter: int) -> None:  # noqa: F811  (page: the fixture's page)
+    """The page has drawn up to `last_iter`, then the server goes away and the page sees it gone."""
+    page.goto(f"{app.url}/dashboard")
+    wait_for_iter(page, last_iter)
+    app.stop()
+    page.wait_for_function("() => !window.kvDashboard.live", timeout=WAIT_MS)
+
+
 def test_ten_thousand_records_in_a_bounded_window(app, page, tmp_path):  # noqa: F811
     app.stats.push(10_000, missing_every=1000)  # iteration 9999, the newest, is incomplete
     streams = []
@@ -190,10 +198,7 @@ def test_shows_every_record_of_a_live_100_per_second_source(app, page):  # noqa:
 
 def test_resumes_after_last_event_id_when_the_server_comes_back(app, page):  # noqa: F811
     app.stats.push(30)
-    page.goto(f"{app.url}/dashboard")
-    wait_for_iter(page, 29)
-    app.stop()
-    page.wait_for_function("() => !window.kvDashboard.live", timeout=WAIT_MS)
+    shown_then_away(app, page, 29)
     app.stats.push(20)  # written while the page was away
     app.start(app.stats)
     wait_for_iter(page, 49)
@@ -205,9 +210,7 @@ def test_resumes_after_last_event_id_when_the_server_comes_back(app, page):  # n
 
 def test_starts_again_when_a_fresh_app_has_another_history(app, page):  # noqa: F811
     app.stats.push(300)
-    page.goto(f"{app.url}/dashboard")
-    wait_for_iter(page, 299)
-    app.stop()
+    shown_then_away(app, page, 299)
     fresh = RecordStats(seed=1)
     fresh.push(5)  # a fresh app numbers from 0 again: resuming after 299 would wait forever
     app.start(fresh)

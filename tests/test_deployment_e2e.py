@@ -12,7 +12,7 @@ import urllib.parse
 
 import httpx
 import pytest
-from e2e_fixtures import prometheus_query
+from e2e_fixtures import prometheus_query, summed_counters
 
 from deployment.client import StatsClient
 from deployment.loadgen import run_load
@@ -38,12 +38,7 @@ def _poll(check, timeout_s: float, what: str, interval_s: float = 0.3):
 
 
 def _summed(records: list[dict]) -> dict[str, int]:
-    out = dict.fromkeys(COUNTERS.values(), 0)
-    for r in records:
-        for bucket in r["kvCacheIterationStats"].values():
-            for it, cum in COUNTERS.items():
-                out[cum] += bucket.get(it, 0)
-    return out
+    return summed_counters(records, COUNTERS)
 
 
 def _consistent(url: str) -> tuple[bool, tuple]:

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from deployment.client import StatsClient
-from tests.e2e_fixtures import start_app
+from tests.e2e_fixtures import module_app, summed_counters
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e, pytest.mark.slow]
 
@@ -22,14 +22,7 @@ COUNTERS = {"iterAllocTotalBlocks": "allocTotalBlocks", "iterReusedBlocks": "reu
 DEADLINE_S = 120
 
 
-@pytest.fixture(scope="module")
-def app(ray_cluster):
-    from ray import serve
-
-    url = start_app(APP, SETTINGS, route_prefix="/fleet")
-    yield url
-    if APP in serve.status().applications:
-        serve.delete(APP)
+app = module_app(APP, SETTINGS, "/fleet")
 
 
 def _complete(url: str, i: int) -> None:
@@ -39,12 +32,7 @@ def _complete(url: str, i: int) -> None:
 
 
 def _summed(records: list[dict]) -> dict[str, int]:
-    out = dict.fromkeys(COUNTERS.values(), 0)
-    for r in records:
-        for bucket in r["kvCacheIterationStats"].values():
-            for it, cum in COUNTERS.items():
-                out[cum] += bucket.get(it, 0)
-    return out
+    return summed_counters(records, COUNTERS)
 
 
 def test_every_engine_serves_and_is_conserved(app):

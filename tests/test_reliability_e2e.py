@@ -12,7 +12,7 @@ import httpx
 import pytest
 import ray
 
-from tests.e2e_fixtures import start_app
+from tests.e2e_fixtures import module_app
 from tests.http_support import all_stats
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e, pytest.mark.slow]
@@ -28,14 +28,7 @@ PROMPTS = [f"the cache of tenant {i} is warm" for i in range(4)]
 RECOVERY_S = 180
 
 
-@pytest.fixture(scope="module")
-def app(ray_cluster):
-    from ray import serve
-
-    url = start_app(APP, SETTINGS, route_prefix="/rel")
-    yield url
-    if APP in serve.status().applications:
-        serve.delete(APP)
+app = module_app(APP, SETTINGS, "/rel")
 
 
 def _named(prefix: str) -> list[dict]:

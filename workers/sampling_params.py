@@ -11,13 +11,13 @@ GREEDY_BELOW_TEMPERATURE = 1e-5
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request picks tokens. `top_k` 0 (or -1) = no top-k; `seed` None = the engine's RNG."""
+    """How one request picks tokens (each field checked here, so a bad value never reaches a rank)."""
 
     max_tokens: int = 16
-    temperature: float = 1.0
+    temperature: float = 1.0  # below GREEDY_BELOW_TEMPERATURE: greedy
     top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
+    top_k: int = 0  # 0 (or -1): no top-k
+    seed: int | None = None  # None: one is drawn at random for the request (its tp ranks and re-sends share it)
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
 
