@@ -1,0 +1,132 @@
+"""Routing across engine replicas: the same multi-tenant workload on fresh apps, one per routing setup.
+
+    python bench/fleet_bench.py [--requests 96] [--tenants 8] [--blocks 48] [--salted]
+
+A workload modelled on llm-d's precise-scheduling benchmark: tenants with long system prompts (Zipf over the
+tenants), each request its tenant's system prompt + a short unique question, a `cache_salt` per tenant, the
+tenants' prompts together more than one replica's primary cache (`--blocks` blocks per rank, random model, no
+host tier), so placement decides what is evicted. `--salted`: the tenants share one product's system prompt
+but salt their caches (the same text, blocks that cannot be shared: a router that sees text sends them all to
+one replica). Setups, each on a fresh app over HTTP with the same seeded requests, 4 in flight:
+`pow2` and `prefix_affinity` (Ray Serve LLM's router) with 2 engine replicas of dp 1, and one engine of dp 2
+(`routing=kv` across its groups: what two levels of routing must not lose to). Exact `kv` routing across
+replicas is not built yet: this is its baseline. Prints the fleet hit rate over the run, TTFT p50/p99, output
+tokens/s and requests per engine. No assertions on time.
+"""
+
+import argparse
+import asyncio
+import os
+import random
+import statistics
+import time
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import httpx  # noqa: E402
+import ray  # noqa: E402
+
+from deployment import build_app  # noqa: E402
+
+PORT = 8391
+SYSTEM_TOKENS = 256
+OUTPUT_TOKENS = 8
+KV_BYTES_PER_TOKEN = 2048  # the built-in model: 4 layers x 2 KV heads x 32 dims x K+V x fp32
+SETUPS = {
+    "pow2": {"engine_replicas": "2", "dp": "1", "fleet_routing": "pow2"},
+    "prefix_affinity": {"engine_replicas": "2", "dp": "1", "fleet_routing": "prefix_affinity"},
+    "one engine, dp 2": {"engine_replicas": "1", "dp": "2", "routing": "kv"},
+}
+
+
+def workload(n: int, tenants: int, salted: bool, seed: int = 0) -> list[tuple[int, str]]:
+    """(tenant, prompt text) of every request, the same for every setup (bytes 32..126: one token each)."""
+    rng = random.Random(seed)
+
+    def text(k: int) -> str:
+        return "".join(chr(rng.randrange(32, 127)) for _ in range(k))
+
+    product = text(SYSTEM_TOKENS)
+    systems = [product if salted else text(SYSTEM_TOKENS) for _ in range(tenants)]
+    weights = [1 / (k + 1) for k in range(tenants)]
+    return [(t, systems[t] + text(rng.randint(16, 32)))
+            for t in (rng.choices(range(tenants), weights)[0] for _ in range(n))]
+
+
+async def one(http: httpx.AsyncClient, tenant: int, prompt: str) -> tuple[float, int]:
+    """(time to the first streamed token, tokens) of one streamed completion."""
+    body = {"prompt": prompt, "max_tokens": OUTPUT_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True,
+            "cache_salt": f"tenant-{tenant}"}
+    t0, first, n = time.perf_counter(), None, 0
+    async with http.stream("POST", "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                first = first or time.perf_counter() - t0
+                n += 1
+    return first or 0.0, n
+
+
+def fleet_counts(stats: dict) -> tuple[int, int]:
+    """(reused, missed) blocks of the fleet (or of the one engine) from /kv_cache_stats."""
+    s = stats.get("fleet", stats)
+    return s["reusedBlocks"], s["missedBlocks"]
+
+
+async def run_setup(n: int, name: str, extra: dict, requests: list[tuple[int, str]], blocks: int) -> dict:
+    from ray import serve
+
+    settings = {"model": "random", "engine_id": f"fleetbench{n}", "tp": "1", "num_cpus_per_rank": "0.5",
+                "max_seq_len": "512", "host_cache_bytes": "0", "max_num_batched_tokens": "128",
+                "kv_cache_bytes": str(blocks * 16 * KV_BYTES_PER_TOKEN), **extra}
+    serve.run(build_app(settings), name="fleetbench", route_prefix="/")
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{PORT}", timeout=300) as http:
+        before = fleet_counts((await http.get("/kv_cache_stats")).json())
+        sem, results = asyncio.Semaphore(4), []
+
+        async def limited(t: int, p: str) -> None:
+            async with sem:
+                results.append(await one(http, t, p))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(limited(t, p) for t, p in requests))
+        wall = time.perf_counter() - t0
+        reused, missed = (a - b for a, b in zip(fleet_counts((await http.get("/kv_cache_stats")).json()), before,
+                                                  strict=True))
+        health = (await http.get("/health")).json()
+        per_engine = {}
+        for eid in health.get("engines", {settings["engine_id"]: None}):
+            recs = (await http.get("/stats", params={"engine": eid, "limit": 1000})).json() \
+                if "engines" in health else (await http.get("/stats", params={"limit": 1000})).json()
+            per_engine[eid] = sum(r.get("numNewActiveRequests", 0) for r in recs)
+    serve.delete("fleetbench")
+    ttft = sorted(f for f, _ in results)
+    return {"setup": name, "hit": reused / (reused + missed) if reused + missed else 0.0,
+            "ttft_p50": statistics.median(ttft), "ttft_p99": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
+            "tok_s": sum(n for _, n in results) / wall, "per_engine": per_engine}
+
+
+async def main(args: argparse.Namespace) -> None:
+    from ray import serve
+
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    requests = workload(args.requests, args.tenants, args.salted)
+    rows = [await run_setup(n, name, extra, requests, args.blocks) for n, (name, extra) in enumerate(SETUPS.items())]
+    print(f"{args.requests} requests, {args.tenants} tenants{' sharing one salted prompt' if args.salted else ''}, "
+          f"{args.blocks} primary blocks per rank, load average {os.getloadavg()[0]:.1f}")
+    print(f"{'setup':<18} {'hit rate':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'tok/s':>7}  requests per engine")
+    for r in rows:
+        print(f"{r['setup']:<18} {r['hit']:8.1%} {r['ttft_p50'] * 1e3:7.0f}ms {r['ttft_p99'] * 1e3:7.0f}ms "
+              f"{r['tok_s']:7.1f}  {r['per_engine']}")
+    serve.shutdown()
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=96)
+    ap.add_argument("--tenants", type=int, default=8)
+    ap.add_argument("--blocks", type=int, default=48, help="primary KV blocks per rank (16 tokens each)")
+    ap.add_argument("--salted", action="store_true", help="tenants share one system prompt, salted apart")
+    asyncio.run(main(ap.parse_args()))
