@@ -27,6 +27,8 @@ import httpx  # noqa: E402
 import ray  # noqa: E402
 
 from deployment import build_app  # noqa: E402
+from deployment.client import StatsClient  # noqa: E402
+from kvcache.stats import hit_rate  # noqa: E402
 
 PORT = 8391
 SYSTEM_TOKENS = 256
@@ -67,10 +69,19 @@ async def one(http: httpx.AsyncClient, tenant: int, prompt: str) -> tuple[float,
     return first or 0.0, n
 
 
-def fleet_counts(stats: dict) -> tuple[int, int]:
+def fleet_counts(client: StatsClient) -> tuple[int, int]:
     """(reused, missed) blocks of the fleet (or of the one engine) from /kv_cache_stats."""
+    stats = client.kv_cache_stats()
     s = stats.get("fleet", stats)
     return s["reusedBlocks"], s["missedBlocks"]
+
+
+def requests_per_engine(client: StatsClient) -> dict[str, int]:
+    """Requests each engine admitted, from every record the fleet holds (all pages, merged)."""
+    out: dict[str, int] = {}
+    for r in client.get_all_stats():
+        out[r["engineId"]] = out.get(r["engineId"], 0) + r.get("numNewActiveRequests", 0)
+    return out
 
 
 async def run_setup(n: int, name: str, extra: dict, requests: list[tuple[int, str]], blocks: int) -> dict:
@@ -80,8 +91,10 @@ async def run_setup(n: int, name: str, extra: dict, requests: list[tuple[int, st
                 "max_seq_len": "512", "host_cache_bytes": "0", "max_num_batched_tokens": "128",
                 "kv_cache_bytes": str(blocks * 16 * KV_BYTES_PER_TOKEN), **extra}
     serve.run(build_app(settings), name="fleetbench", route_prefix="/")
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{PORT}", timeout=300) as http:
-        before = fleet_counts((await http.get("/kv_cache_stats")).json())
+    url = f"http://127.0.0.1:{PORT}"
+    with StatsClient(url) as stats:
+        before = fleet_counts(stats)
+    async with httpx.AsyncClient(base_url=url, timeout=300) as http:
         sem, results = asyncio.Semaphore(4), []
 
         async def limited(t: int, p: str) -> None:
@@ -91,17 +104,12 @@ async def run_setup(n: int, name: str, extra: dict, requests: list[tuple[int, st
         t0 = time.perf_counter()
         await asyncio.gather(*(limited(t, p) for t, p in requests))
         wall = time.perf_counter() - t0
-        reused, missed = (a - b for a, b in zip(fleet_counts((await http.get("/kv_cache_stats")).json()), before,
-                                                  strict=True))
-        health = (await http.get("/health")).json()
-        per_engine = {}
-        for eid in health.get("engines", {settings["engine_id"]: None}):
-            recs = (await http.get("/stats", params={"engine": eid, "limit": 1000})).json() \
-                if "engines" in health else (await http.get("/stats", params={"limit": 1000})).json()
-            per_engine[eid] = sum(r.get("numNewActiveRequests", 0) for r in recs)
+    with StatsClient(url) as stats:
+        reused, missed = (a - b for a, b in zip(fleet_counts(stats), before, strict=True))
+        per_engine = requests_per_engine(stats)
     serve.delete("fleetbench")
     ttft = sorted(f for f, _ in results)
-    return {"setup": name, "hit": reused / (reused + missed) if reused + missed else 0.0,
+    return {"setup": name, "hit": hit_rate(reused, missed),
             "ttft_p50": statistics.median(ttft), "ttft_p99": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
             "tok_s": sum(n for _, n in results) / wall, "per_engine": per_engine}
 
