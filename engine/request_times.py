@@ -20,6 +20,7 @@ from aggregator.request_stats import PROMPT_COUNTERS, FinishedRequest, RequestFi
 @dataclass(slots=True)
 class RequestTimes:
     arrival: float = field(default_factory=time.monotonic)
+    queued: float = field(default_factory=time.monotonic)  # waiting for a group since: arrival, or its re-queue
     scheduled: float = 0.0  # first admitted to a group: the end of its queue time
     first_token: float = 0.0
     last_token: float = 0.0

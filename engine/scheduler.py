@@ -48,7 +48,6 @@ class Request:
     predicted: int = -1  # reused blocks its placement predicted; -1 until placed and once counted
     counted: bool = False  # in a record's `routing` (once, on the group of its first commit: not again if moved)
     hit_tokens: int = 0  # prompt tokens its placement expects the rank to find cached (the group's load)
-    queued_at: float = field(default_factory=time.monotonic)  # since when it waits for a place on a group
     times: RequestTimes = field(default_factory=RequestTimes)  # for vLLM's request metrics
 
     @property
@@ -61,7 +60,7 @@ class Request:
         self.created = False
         self.known_history = 0
         self.append = None
-        self.queued_at = time.monotonic()
+        self.times.queued = time.monotonic()
 
 
 @dataclass
@@ -138,7 +137,7 @@ def plan_group(g: Group, iteration: int, s: EngineConfig) -> StepPlan:
     now = time.monotonic()
     while g.waiting and len(g.running) < s.max_num_seqs:
         req = g.waiting.popleft()
-        g.admitted.append(now - req.queued_at)
+        g.admitted.append(now - req.times.queued)
         req.times.scheduled = req.times.scheduled or now
         # a re-queued request prefills what it already generated too, and its sampler goes on where it was
         plan.new.append(NewRequest(req.id, req.prompt + req.generated, req.params, req.cache_salt,
