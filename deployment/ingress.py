@@ -15,7 +15,6 @@ a 2-core laptop, where `serve run deployment:app` gives Ray exactly 2 CPUs.
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI
@@ -26,6 +25,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
 from deployment.fleet import FleetStats
+from deployment.fleet_routing import FleetFollower, Routed, fleet_view
 from deployment.resend import ADMISSION_TIMEOUT_S, resending
 from deployment.routes import create_api
 from deployment.settings import Settings
@@ -118,9 +118,11 @@ class KVFleetEngine:
                        cache_salt: str | None = None, drawn: int = 0, routed: Any = None) -> AsyncIterator[Any]:
         """None once the engine has admitted the request (so the ingress answers a refusal with its status
         code, before any response starts), then its token events. `drawn`: the request is re-sent (Engine.submit).
-        `routed`: what the deployment's request router reads (`Routed`); the engine needs none of it."""
+        `routed`: what the deployment's request router read and decided (`Routed`): the dp group the fleet's
+        `kv` router chose for this engine, if it did."""
+        placed = routed.placed(self._engine.config.engine_id) if isinstance(routed, Routed) else None
         events = self._engine.generate(request_id, prompt_token_ids, params, cache_salt, announce=True,
-                                       drawn=drawn)
+                                       drawn=drawn, placed=placed)
         async with contextlib.aclosing(events):  # closed when this stream is: the engine aborts the request then
             async for ev in events:
                 yield ev
@@ -131,6 +133,21 @@ class KVFleetEngine:
     async def kv_events(self, after: str | None, timeout_s: float) -> list[tuple[str, dict]]:
         """Long poll of the KV event stream (engine/kv_stream.py): (id, vLLM-shaped event) after `after`."""
         return await self._engine.kv_events(after, timeout_s)
+
+    async def follow(self, after: str | None, timeout_s: float, replica: str | None = None) -> dict[str, Any]:
+        """The fleet's `kv` router's long poll (deployment/fleet_routing.py): this engine's KV events after
+        `after`, then its groups' load and room. `replica`: the replica the router sends the call to."""
+        e = self._engine
+        me = serve.get_replica_context().replica_id.unique_id
+        if replica is not None and replica != me:  # routed here while that replica is not in the router's set
+            return {"replica": me}
+        events = await e.kv_events(after, timeout_s)
+        return {"replica": me, "engine": e.config.engine_id, "block_size": e.config.cache.tokens_per_block,
+                "events": events, "groups": e.groups_state()}
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Serve's routing stats of this replica: its engine id (what a router, or an operator, can read)."""
+        return {"engine": self._engine.config.engine_id}
 
     async def check_health(self) -> None:
         """Serve's replica health check: a replica whose engine cannot serve at all is replaced."""
@@ -144,23 +161,18 @@ class KVFleetEngine:
             await engine.shutdown()
 
 
-@dataclass(frozen=True)
-class Routed:
-    """What the engine deployment's request router may read of a request: Ray Serve LLM's
-    PrefixCacheAffinityRouter takes the text of a `prompt` attribute of any positional argument. The prompt
-    as the engine sees it (a chat's templated text), so its prefix tree follows what the caches hold."""
-
-    prompt: str
-
-
 class EngineClient:
     """The engine as the routes see it, across the engine deployment's handle: the same errors as the
     in-process Engine (never a Ray traceback), and a stream that aborts the request when it is closed."""
 
     def __init__(self, handle: DeploymentHandle, tokenizer: Any, info: dict[str, Any], resend_s: float,
-                 route_text: bool = False) -> None:
+                 routing: str = "pow2") -> None:
         self._h = handle
-        self.route_text = route_text  # the request router reads the prompt's text (fleet_routing=prefix_affinity)
+        self.routing = routing  # what the request router reads: the text (prefix_affinity), the tokens (kv)
+        self.follower: FleetFollower | None = None
+        if routing == "kv":  # the kv router's view of every replica's cache: followed from here
+            self.follower = FleetFollower(handle, fleet_view(handle.app_name, handle.deployment_name))
+            self.follower.start()
         self.resend_s = resend_s  # how long a request that lost its replica waits for one to take it again
         self._stream = handle.options(stream=True)
         self.tokenizer = tokenizer
@@ -179,9 +191,13 @@ class EngineClient:
         admit it within ADMISSION_TIMEOUT_S (it is being replaced: Serve queues the call) is a 503; one that
         dies (or cannot be reached) mid-stream gets it re-sent, prompt + tokens so far (deployment/resend.py)."""
 
-        routed = Routed(self.tokenizer.decode(prompt_token_ids)) if self.route_text else None
+        text = self.tokenizer.decode(prompt_token_ids) if self.routing == "prefix_affinity" else None
 
         def send(rid: str | None, prompt: list[int], left: Any, drawn: int) -> Any:
+            if self.routing == "kv":  # a re-send is routed anew, by what it is now: prompt + tokens so far
+                routed = Routed(token_ids=prompt, cache_salt=cache_salt, max_tokens=left.max_tokens)
+            else:
+                routed = Routed(text) if text is not None else None
             return self._stream.generate.remote(rid, prompt, left, cache_salt, drawn, routed)
 
         events = resending(send, request_id, prompt_token_ids, params, ADMISSION_TIMEOUT_S, self.resend_s)
@@ -230,7 +246,7 @@ class KVFleetIngress:
         self._settings = settings
         info = await engine.info.remote()  # waits for the engine's replica to be up
         self._engine = EngineClient(engine, load_tokenizer(settings.model or None), info,
-                                    settings.placement_timeout_s, settings.fleet_routing == "prefix_affinity")
+                                    settings.placement_timeout_s, settings.fleet_policy)
         self._stats = fleet_stats(settings, info["aggregator"])
 
     def __serve_build_asgi_app__(self) -> FastAPI:
@@ -244,6 +260,9 @@ class KVFleetIngress:
         stats = getattr(self, "_stats", None)
         if stats is not None:
             await stats.close()
+        engine = getattr(self, "_engine", None)
+        if engine is not None and engine.follower is not None:
+            await engine.follower.close()
 
 
 def fleet_stats(settings: Settings, aggregator: Any) -> FleetStats:
@@ -285,7 +304,8 @@ def check_model_setting(settings: Settings) -> None:
 # reads the text from a `prompt` or `messages` attribute of the handle call's first argument). The latter by
 # its own module: its public re-export, ray.serve.llm.request_router, imports Ray Serve LLM's protocol models,
 # which need vLLM or SGLang installed
-FLEET_ROUTERS = {"pow2": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",
+FLEET_ROUTERS = {"kv": "deployment.kv_router:KVFleetRouter",
+                 "pow2": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",
                  "prefix_affinity": "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:"
                                     "PrefixCacheAffinityRouter"}
 
@@ -293,9 +313,13 @@ FLEET_ROUTERS = {"pow2": "ray.serve._private.request_router:PowerOfTwoChoicesReq
 def request_router(settings: Settings) -> RequestRouterConfig | None:
     """The engine deployment's request router: which engine replica takes a request (None: Serve's default,
     so `serve build` writes no router for it)."""
-    if settings.fleet_routing == "pow2":
+    if settings.fleet_policy == "pow2":
         return None
-    return RequestRouterConfig(request_router_class=FLEET_ROUTERS[settings.fleet_routing])
+    if settings.fleet_policy == "kv":
+        return RequestRouterConfig(request_router_class=FLEET_ROUTERS["kv"], request_router_kwargs={
+            "primary_weight": settings.routing_primary_weight, "host_weight": settings.routing_host_weight,
+            "load_weight": settings.routing_load_weight, "free_weight": settings.routing_free_weight})
+    return RequestRouterConfig(request_router_class=FLEET_ROUTERS[settings.fleet_policy])
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:

@@ -38,9 +38,10 @@ class Settings(BaseSettings):
                            "several engine replicas, replica n is engine `<engine_id>-<n>`")
     engine_replicas: int = Field(1, ge=1, description="engine replicas (KVFleetEngine), each with its own dp "
                                  "groups, ranks and aggregator; Serve's request router picks one per request")
-    fleet_routing: Literal["pow2", "prefix_affinity"] = Field(
-        "pow2", description="how the ingress picks an engine replica: `pow2` (Serve's power of two choices) "
-        "or `prefix_affinity` (Ray Serve LLM's PrefixCacheAffinityRouter)")
+    fleet_routing: Literal["kv", "pow2", "prefix_affinity"] = Field(
+        "kv", description="how the ingress picks an engine replica: `kv` (exact, from every replica's KV "
+        "events, and the dp group too), `pow2` (Serve's power of two choices) or `prefix_affinity` (Ray Serve "
+        "LLM's PrefixCacheAffinityRouter); with one replica there is nothing to pick")
     dp: int = Field(2, ge=1, description="data-parallel groups (model copies)")
     tp: int = Field(1, ge=1, description="tensor-parallel ranks per group")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when Ray sees GPUs")
@@ -169,6 +170,12 @@ class Settings(BaseSettings):
         return self
 
 
+    @property
+    def fleet_policy(self) -> str:
+        """The router in effect across engine replicas: `fleet_routing`, or Serve's default with one replica
+        (which then keeps today's behaviour: no router of ours, no KV stream followed)."""
+        return self.fleet_routing if self.engine_replicas > 1 else "pow2"
+
     def engine_ids(self) -> list[str]:
         """The fleet's engines, one per Serve replica rank (see `engine_id_of`)."""
         return [self.engine_id_of(n) for n in range(self.engine_replicas)]
@@ -183,9 +190,9 @@ class Settings(BaseSettings):
         cache = CacheSettings(**{f.name: getattr(self, f.name) for f in fields(CacheSettings)})
         routing = RoutingConfig(self.routing, self.routing_primary_weight, self.routing_host_weight,
                                 self.routing_load_weight, self.routing_free_weight)
-        events = KVEventsConfig(self.kv_events, self.kv_events_buffer, self.kv_events_publisher,
-                                self.kv_events_endpoint, self.kv_events_replay_endpoint, self.kv_events_topic,
-                                self.kv_events_buffer_steps)
+        events = KVEventsConfig(self.kv_events or self.fleet_policy == "kv", self.kv_events_buffer,
+                                self.kv_events_publisher, self.kv_events_endpoint, self.kv_events_replay_endpoint,
+                                self.kv_events_topic, self.kv_events_buffer_steps)
         parts = {"cache": cache, "routing": routing, "kv_events": events}
         same = {f.name: getattr(self, f.name) for f in fields(EngineConfig) if f.name not in parts}
         same["engine_id"] = self.engine_id_of(replica_rank)

@@ -36,7 +36,7 @@ from engine.errors import (
     check_request,
     one_line,
 )
-from engine.placement import Router
+from engine.placement import Router, group_load, waiting_blocks
 from engine.recovery import GroupRecovery, Orphans
 from engine.request_times import RequestRecorder
 from engine.scheduler import Group, Request, TokenEvent, apply_result, figures, plan_group
@@ -126,7 +126,8 @@ class Engine(GroupRecovery):
         self.vocab_size = self.rank_info[0]["vocab_size"]
         self.transport = make_transport(s.step_transport, self.workers)
         self.router.reuse_table = self.rank_info[0]["reuse_table"]
-        self.router.set_capacity([info["kv_slots"] for info in self.rank_info[::s.tp]])
+        for dp, group in enumerate(launched):
+            self.router.group_started(dp, group.infos[0])
         if s.cache.enable_stats:
             self.stats = StatsChannel(self.aggregator)
             self.iteration = first_iteration(await self.stats.register([info["layout"] for info in self.rank_info]))
@@ -185,12 +186,12 @@ class Engine(GroupRecovery):
         check_request(prompt_token_ids, params.max_tokens, self.vocab_size, self.max_model_len, self.max_seq_len)
 
     async def generate(self, request_id: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                       cache_salt: str | None = None, announce: bool = False,
-                       drawn: int = 0) -> AsyncIterator[TokenEvent | None]:
+                       cache_salt: str | None = None, announce: bool = False, drawn: int = 0,
+                       placed: tuple[int, int] | None = None) -> AsyncIterator[TokenEvent | None]:
         """Stream a request's tokens; closing the iterator (the client went away) aborts it. `announce`: None
         first, once the request is admitted (the ingress answers a refusal before any response starts).
-        `drawn`: as in `submit`."""
-        req = self.submit(request_id, prompt_token_ids, params, cache_salt, drawn)
+        `drawn`, `placed`: as in `submit`."""
+        req = self.submit(request_id, prompt_token_ids, params, cache_salt, drawn, placed)
         try:
             if announce:
                 yield None
@@ -201,11 +202,12 @@ class Engine(GroupRecovery):
                 self.abort(req.id)
 
     def submit(self, request_id: str | None, prompt_token_ids: list[int], params: SamplingParams,
-               cache_salt: str | None = None, drawn: int = 0) -> Request:
+               cache_salt: str | None = None, drawn: int = 0, placed: tuple[int, int] | None = None) -> Request:
         """Admit a request, or refuse it at once: RequestError (bad input), Overloaded (the waiting queue is
         full), EngineError (no dp group can ever take it, or shutting down). `drawn`: tokens another engine
         already sampled for it (the ingress re-sends a dead replica's request as prompt + those tokens), so a
-        seeded sampler draws on where it was."""
+        seeded sampler draws on where it was. `placed`: (dp group, prompt blocks it holds) as the fleet's router
+        chose them; the request goes there while that group is up, else where this engine's routing puts it."""
         if self.error:
             raise EngineError(self.error, RETRY_AFTER_DOWN_S)
         if self._closing:
@@ -222,6 +224,8 @@ class Engine(GroupRecovery):
         if isinstance(drawn, bool) or not isinstance(drawn, int) or not 0 <= drawn < len(prompt_token_ids):
             raise RequestError(f"drawn must be an integer in [0, {len(prompt_token_ids)}), got {drawn!r}")
         req = Request(rid, list(prompt_token_ids), params, cache_salt, params.max_tokens, drawn=drawn)
+        if placed is not None:
+            req.placed, req.fleet_predicted = placed[0], self.router.predicted(placed[1])
         self._place(req)
         self._requests[rid] = req
         return req
@@ -257,6 +261,14 @@ class Engine(GroupRecovery):
     async def kv_events(self, after: str | None, timeout_s: float) -> list[tuple[str, dict]]:
         """Long poll of the /kv_events stream (engine/kv_stream.py): (id, vLLM-shaped event) after `after`."""
         return await self.router.stream.wait(after, timeout_s)
+
+    def groups_state(self) -> list[dict[str, int]]:
+        """What the fleet's router weighs besides the blocks, per dp group: up, its load in tokens (as the
+        `kv` policy counts it) and its room in blocks (free as its rank last reported, less what its waiting
+        requests will take)."""
+        B = self.config.cache.tokens_per_block
+        return [{"up": int(g.down is None and not g.stays_down), "load": group_load(g),
+                 "room": self.router.free[dp] - waiting_blocks(g, B)} for dp, g in enumerate(self._groups)]
 
     async def health(self) -> dict[str, Any]:
         """The engine's state; raises EngineError (an HTTP 503) while no dp group serves."""

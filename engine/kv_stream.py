@@ -42,6 +42,18 @@ def vllm_event(ev: KVEvent, dp: int, block_size: int, ts: float) -> list[dict[st
     return [_stored([ev.key], ev.parent, tokens, block_size, ev.tier, dp, ts)]
 
 
+def index_events(event: dict[str, Any]) -> tuple[int, list[KVEvent]]:
+    """The inverse of `vllm_event` for a follower of this stream (the fleet's router): (dp group, the events
+    a KVIndex applies). Only keys and media: a snapshot's and a salted block's events carry nothing more."""
+    dp = event.get("dp_rank") or 0
+    kind = event["type"]
+    if kind == "AllBlocksCleared":
+        return dp, [KVEvent(CLEARED)]
+    tier = MEDIUM.index(event.get("medium") or "GPU")
+    kind = {"BlockStored": STORED, "BlockRemoved": REMOVED}[kind]
+    return dp, [KVEvent(kind, key, tier=tier) for key in event["block_hashes"]]
+
+
 def _stored(keys: list[int], parent: int | None, tokens: list[int], block_size: int, tier: int, dp: int,
             ts: float) -> dict[str, Any]:
     return {"type": "BlockStored", "block_hashes": keys, "parent_block_hash": parent, "token_ids": tokens,

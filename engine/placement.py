@@ -15,14 +15,17 @@ blocks (so tenants spread over the groups' caches), then the one with more free 
 rank.
 Salts are in the block keys (kvcache/events.py), so one salt's blocks never predict another's reuse.
 
-Predicted vs realized: a request's prediction is its group's hits, in the statistics' units (the reused
-blocks a stats commit counts over every life cycle, `kvcache.events.reuse_table`); its realization is the
-reused blocks of its first stats commit on the rank. Each record's `routing` sums both for the requests whose
-first commit was in that iteration. They differ when (1) blocks are evicted between the decision and the
-prefill (other requests run meanwhile, or the request waits), (2) the rank also reuses part of a block (a
-partial match; the prediction counts full blocks only), (3) events are in flight: blocks another request
-published in the same step are not in the index yet, (4) a sliding-window life cycle lost a page the anchor
-life cycle still has, so the rank's match is shorter than the index's.
+Predicted vs realized: a request's prediction is its group's hits, in the statistics' units (the reused blocks
+a stats commit counts over every life cycle, `kvcache.events.reuse_table`); its realization is the reused
+blocks of its first stats commit on the rank. Each record's `routing` sums both for the requests whose first
+commit was in that iteration; its `fleet` sums the same for the requests the fleet's router placed (several
+engine replicas, deployment/fleet_routing.py), with that router's prediction, made one level up from the
+replicas' KV event streams (so it also misses the events still on their way to it). They differ when (1)
+blocks are evicted between the decision and the prefill (other requests run meanwhile, or the request waits),
+(2) the rank also reuses part of a block (a partial match; the prediction counts full blocks only), (3) events
+are in flight: blocks another request published in the same step are not in the index yet, (4) a sliding-
+window life cycle lost a page the anchor life cycle still has, so the rank's match is shorter than the
+index's.
 """
 
 from __future__ import annotations
@@ -59,6 +62,16 @@ def waiting_blocks(g: Any, B: int) -> int:
     return sum(max(0, -(-(r.total + r.max_new) // B) - r.hit_tokens // B) for r in g.waiting)
 
 
+def kv_score(weights: tuple[float, float, float, float], B: int, hits: tuple[int, int], load: int, need: int,
+             room: int) -> float:
+    """The `kv` policy's score of one dp group, in tokens (the formula above): the fleet's router
+    (deployment/fleet_routing.py) scores every engine replica's groups with it too."""
+    wp, wh, wl, wf = weights
+    primary, host = hits
+    short = max(0, need - primary - host - room)
+    return B * (wp * primary + wh * host) - wl * load - wf * B * short
+
+
 def salt_label(salt: Any) -> str:
     """How records name a salt: a digest of its root key, in hex. Never the salt (a tenant's secret), nor the
     root: from the root anyone could hash a guessed prompt into the salt's block keys on /kv_events."""
@@ -86,9 +99,12 @@ class Router:
         self._reported_errors = 0
         self._last_hits = 0  # prompt blocks the last choice found on its group
 
-    def set_capacity(self, blocks_per_group: list[int]) -> None:
-        """Each group's most blocks held at once (its tp rank 0's slots on every tier): the index's bound."""
-        self.index.max_blocks = list(blocks_per_group)
+    def group_started(self, dp: int, info: dict[str, Any]) -> None:
+        """Group `dp`'s tp rank 0 is set up (a start or a restart): its cache is empty, all its primary blocks
+        free (a room the `kv` score weighs before its first step reports one), and its slots on every tier are
+        the most blocks the index may hold for it."""
+        self.free[dp] = info["max_num_blocks"]
+        self.index.max_blocks[dp] = info["kv_slots"]
 
     # ---- the decision -------------------------------------------------------------------------------------
     @property
@@ -105,7 +121,11 @@ class Router:
         its predicted reuse; returns the group. The caller queues it there."""
         if req.block_keys is None:
             req.block_keys = self.keys(req.prompt, req.cache_salt)
-        req.dp, predicted = self.choose(req.block_keys, len(req.prompt), groups, up)
+        if req.placed in up:  # the fleet's router chose this group (first placement only): no second routing
+            req.dp, req.placed = req.placed, -1
+            predicted = self.held(req.dp, req.block_keys, len(req.prompt))
+        else:
+            req.dp, predicted = self.choose(req.block_keys, len(req.prompt), groups, up)
         if not req.counted:  # a request moved off a dead group after its first commit is not counted again
             req.predicted = predicted
         req.hit_tokens = self._last_hits * self.B
@@ -121,19 +141,23 @@ class Router:
         elif self.policy == "least_loaded":
             dp = min(up, key=lambda d: groups[d].load)
         else:
-            wp, wh, wl, wf = self.weights
             need = -(-prompt_len // self.B)
 
             def rank(d: int) -> tuple:
-                p, h = hits[d]
                 load = group_load(groups[d])
-                short = max(0, need - p - h - (self.free[d] - waiting_blocks(groups[d], self.B)))
-                return (-(self.B * (wp * p + wh * h) - wl * load - wf * self.B * short), load,
+                room = self.free[d] - waiting_blocks(groups[d], self.B)
+                return (-kv_score(self.weights, self.B, hits[d], load, need, room), load,
                         len(self.index.blocks[d]), -self.free[d], d)
 
             dp = min(up, key=rank)
         self._last_hits = sum(hits[dp])
         return dp, self.predicted(self._last_hits)
+
+    def held(self, dp: int, keys: list[int] | None, prompt_len: int) -> int:
+        """The predicted reuse of a prompt on group `dp`, chosen elsewhere (the fleet's router)."""
+        limit = max(0, (prompt_len - 1) // self.B)
+        self._last_hits = sum(self.index.prefix(dp, keys[:limit])) if keys and self._events_on else 0
+        return self.predicted(self._last_hits)
 
     def predicted(self, blocks: int) -> int:
         table = self.reuse_table
@@ -182,8 +206,8 @@ class Router:
             keep = heapq.nlargest(MAX_SALTS // 4, self.salt_counts.items(), key=lambda kv: kv[1])
             self.salt_counts = dict(keep)
             self.salt_counts.setdefault(label, n)
-        self._tally.add(dp, label, req.predicted, realized)
-        req.predicted = -1  # counted once, on its first commit
+        self._tally.add(dp, label, req.predicted, realized, req.fleet_predicted)
+        req.predicted = req.fleet_predicted = -1  # counted once, on its first commit
         req.counted = True
 
     def take_record(self) -> dict[str, Any]:
@@ -201,7 +225,7 @@ class Router:
             acc["realizedReusedBlocks"] += r
         return {"policy": self.policy, "requests": t.requests, "predictedReusedBlocks": t.predicted,
                 "realizedReusedBlocks": t.realized, "perGroupRequests": t.per_group, "perSalt": per_salt,
-                "indexResyncs": self._resyncs()}
+                "indexResyncs": self._resyncs(), "fleet": dict(zip(FLEET_FIELDS, t.fleet, strict=True))}
 
     def _resyncs(self) -> int:
         """Index errors (each a resync) since the last record."""
@@ -209,15 +233,23 @@ class Router:
         return n
 
 
+FLEET_FIELDS = ("requests", "predictedReusedBlocks", "realizedReusedBlocks")
+
+
 class _Tally:
-    __slots__ = ("requests", "predicted", "realized", "per_group", "salts")
+    __slots__ = ("requests", "predicted", "realized", "per_group", "salts", "fleet")
 
     def __init__(self, num_groups: int) -> None:
         self.requests = self.predicted = self.realized = 0
         self.per_group = [0] * num_groups
         self.salts: dict[str, list[int]] = {}
+        self.fleet = [0, 0, 0]  # the requests the fleet's router placed: count, its prediction, realized
 
-    def add(self, dp: int, label: str, predicted: int, realized: int) -> None:
+    def add(self, dp: int, label: str, predicted: int, realized: int, fleet_predicted: int = -1) -> None:
+        if fleet_predicted >= 0:
+            self.fleet[0] += 1
+            self.fleet[1] += fleet_predicted
+            self.fleet[2] += realized
         self.requests += 1
         self.predicted += predicted
         self.realized += realized

@@ -145,6 +145,7 @@ class GroupRecovery:
         self.transport.replace(self.workers)
         self._pgs[dp] = launched.pg
         self._set_limit(dp, launched.infos)
+        self.router.group_started(dp, launched.infos[0])
         g.down = None
         g.restarts += 1
         log.info("dp group %d back in service (restart %d)", dp, g.restarts)

@@ -48,6 +48,8 @@ class Request:
     predicted: int = -1  # reused blocks its placement predicted; -1 until placed and once counted
     counted: bool = False  # in a record's `routing` (once, on the group of its first commit: not again if moved)
     hit_tokens: int = 0  # prompt tokens its placement expects the rank to find cached (the group's load)
+    placed: int = -1  # the dp group the fleet's router chose (deployment/fleet_routing.py), until placed there
+    fleet_predicted: int = -1  # the reused blocks the fleet's router predicted; -1 if it did not place it
     times: RequestTimes = field(default_factory=RequestTimes)  # for vLLM's request metrics
 
     @property

@@ -37,6 +37,7 @@ def ray_cluster():
 
     if not ray.is_initialized():
         ray.init(
+            address="local",  # a cluster of its own, never one already running here (`ray start`, a Cluster)
             num_cpus=8,
             include_dashboard=False,
             log_to_driver=False,

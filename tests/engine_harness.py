@@ -54,6 +54,12 @@ def longest_request(w: RankWorker) -> int:
     return n
 
 
+def setup_info(w) -> dict:
+    """What a rank's setup tells the engine (RankWorker.setup), of what the engine reads."""
+    return {"layout": w.layout, "max_request_tokens": longest_request(w), "kv_slots": w.kv.num_slots,
+            "max_num_blocks": w.kv.get_kv_cache_stats().max_num_blocks}
+
+
 async def make_engine(**overrides) -> Engine:
     """An engine stepping in the running loop; `engine.ranks` are the LocalRanks, `engine.rank_workers` theirs."""
     base = dict(model="random", engine_id="local", dp=1, tp=1, device="cpu", max_seq_len=256, kv_cache_bytes=512 << 10,
@@ -73,8 +79,7 @@ async def make_engine(**overrides) -> Engine:
         if eng.on_launch is not None:
             eng.on_launch(dp, local)
         eng.rank_workers[dp * s.tp:(dp + 1) * s.tp] = workers
-        return ranks.Launched(None, local, [{"layout": w.layout, "max_request_tokens": longest_request(w)}
-                                            for w in workers])
+        return ranks.Launched(None, local, [setup_info(w) for w in workers])
 
     eng._launch = launch
     eng.transport = make_transport("actor_calls", eng.workers)  # LocalRank answers step.remote like an actor
@@ -83,7 +88,8 @@ async def make_engine(**overrides) -> Engine:
         eng._set_limit(dp, [{"max_request_tokens": longest_request(w)} for w in eng.rank_workers[dp * s.tp:][:s.tp]])
     eng.vocab_size = eng.rank_workers[0].model.config.vocab_size
     eng.router.reuse_table = reuse_table(eng.rank_workers[0].kv)  # what Engine.start takes from the ranks' setup
-    eng.router.set_capacity([w.kv.num_slots for w in eng.rank_workers[::s.tp]])
+    for dp in range(s.dp):
+        eng.router.group_started(dp, setup_info(eng.rank_workers[dp * s.tp]))
     eng.router.publisher.start()  # what Engine.start does first (a no-op unless kv_events_publisher is zmq)
     eng._loop_task = asyncio.get_running_loop().create_task(eng._loop())
     return eng

@@ -130,7 +130,14 @@ def test_fleet_routing_names_serves_routers():
     from deployment.ingress import request_router
 
     assert request_router(parse_settings({"model": "random"})) is None  # Serve's own power of two choices
-    prefix = request_router(parse_settings({"model": "random", "fleet_routing": "prefix_affinity"}))
+    prefix = request_router(parse_settings({"model": "random", "fleet_routing": "prefix_affinity",
+                                            "engine_replicas": 2}))
     assert prefix.request_router_class.endswith("prefix_aware_router:PrefixCacheAffinityRouter")
+    kv = request_router(parse_settings({"model": "random", "engine_replicas": 2}))  # the default with a fleet
+    assert kv.request_router_class == "deployment.kv_router:KVFleetRouter"
+    assert kv.request_router_kwargs["load_weight"] == 0.5
+    # one replica: nothing to pick, so no router of ours and no KV stream followed, whatever the setting
+    assert request_router(parse_settings({"model": "random", "fleet_routing": "prefix_affinity"})) is None
+    assert parse_settings({"model": "random", "engine_replicas": 2}).engine_config(0).kv_events.always
     with pytest.raises(ValueError, match="fleet_routing"):
         parse_settings({"fleet_routing": "kv_magic"})

@@ -224,8 +224,7 @@ def test_a_request_a_smaller_restarted_cache_can_never_hold_fails_instead_of_wai
         async def launch(dp):
             w = h.make_rank(small, dp)
             eng.rank_workers[dp] = w
-            return ranks.Launched(None, [h.LocalRank(w)], [{"layout": w.layout,
-                                                             "max_request_tokens": h.longest_request(w)}])
+            return ranks.Launched(None, [h.LocalRank(w)], [h.setup_info(w)])
 
         eng._launch = launch
         eng.workers[0].fail = dies_after(0)

@@ -87,13 +87,17 @@ def test_the_routing_record_sums_are_exact_per_salt_top_16_and_other():
     total_p = total_r = 0
     for i in range(40):
         salt = None if i % 10 == 0 else f"tenant-{i % 20}"
-        req = types.SimpleNamespace(cache_salt=salt, predicted=i)
+        fleet = 2 * i if i % 2 else -1  # the odd ones the fleet's router placed, with its own prediction
+        req = types.SimpleNamespace(cache_salt=salt, predicted=i, fleet_predicted=fleet)
         r._count(req, i % 3, i + 1)
         total_p += i
         total_r += i + 1
-        assert req.predicted == -1  # counted once
+        assert req.predicted == req.fleet_predicted == -1  # counted once
     rec = r.take_record()
     assert (rec["requests"], rec["predictedReusedBlocks"], rec["realizedReusedBlocks"]) == (40, total_p, total_r)
+    odd = range(1, 40, 2)
+    assert rec["fleet"] == {"requests": 20, "predictedReusedBlocks": sum(2 * i for i in odd),
+                            "realizedReusedBlocks": sum(i + 1 for i in odd)}
     assert sum(rec["perGroupRequests"]) == 40
     per = rec["perSalt"]
     assert len(per) == TOP_SALTS + 1 and "other" in per

@@ -221,7 +221,7 @@ def test_rays_prefix_router_reads_the_prompt_text_from_what_the_ingress_sends():
     handle.generate = handle
     prompt = ByteTokenizer().encode("You are a helpful assistant. Tenant 7 asks:")
     eng = EngineClient(handle, ByteTokenizer(), {"max_model_len": 256, "max_seq_len": 256, "vocab_size": 256},
-                       5.0, route_text=True)
+                       5.0, routing="prefix_affinity")
 
     async def main():
         with contextlib.suppress(Exception):

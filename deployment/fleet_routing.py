@@ -1,0 +1,220 @@
+"""Exact KV-aware routing across engine replicas (`fleet_routing: kv`): what Serve's `RequestRouter`
+(deployment/kv_router.py) decides with, fed by the replicas' own KV event streams.
+
+Two levels, one rule. Each engine places a request on one of its dp groups with the `kv` score
+(engine/placement.py); with several engine replicas this router scores every (replica, dp group) pair with
+the same `kv_score`, from one `KVIndex` per replica built from that replica's `/kv_events` stream, and hands
+the chosen replica the group it scored best (`Routed.dp`), so the engine does not route a second time.
+
+- `FleetFollower` (in the ingress replica, on its event loop) long-polls each replica's `follow`: the events
+  of its KV stream since the last id (a snapshot after a restart, a resync or a first call), and its groups'
+  load and room. Serve's handle cannot address a replica, so the call carries `replica=<id>` and the router
+  sends it to that replica.
+- `KVFleetRouter` (Serve's router loop, another thread) decides with the views the follower writes (`place`).
+  They share a `FleetView`: the router owns the set of live replicas (Serve tells it), the follower the
+  per-replica views. Plain dict reads and whole-object replacements only, so no lock: CPython's dict operations
+  are atomic, and a lost `sent` increment (a report replaced the list meanwhile) only makes one estimate a
+  little low.
+
+A replica that leaves Serve's replica set (died, replaced) is forgotten at once: its view is dropped, so no
+request is sent its way for blocks that are gone; its successor (a new replica id, the same engine id) is
+followed from a snapshot of its own empty cache. Salts are in the block keys (kvcache/events.py), so one
+tenant's blocks never predict another's reuse.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.kv_index import KVIndex
+from engine.kv_stream import index_events
+from engine.placement import kv_score
+from kvcache.events import prompt_keys
+
+logger = logging.getLogger("kvfleet.deployment")
+
+POLL_S = 1.0  # a follow long poll's wait: the groups' load is at most this old while no event comes
+RETRY_S = 0.5  # after a failed follow call (the replica is starting, or going away)
+
+
+@dataclass
+class Routed:
+    """What the engine deployment's request router reads of a generate call, and what it decided.
+
+    `prompt`: Ray Serve LLM's PrefixCacheAffinityRouter takes the text of a `prompt` attribute of any
+    positional argument (the prompt as the engine sees it, a chat's templated text). `token_ids`, `cache_salt`,
+    `max_tokens`: what `KVFleetRouter` keys and weighs. It writes `engine`, `dp` and `blocks` (the prompt
+    blocks the group holds) before Serve sends the call, so they travel with it."""
+
+    prompt: str = ""
+    token_ids: list[int] | None = None
+    cache_salt: str | None = None
+    max_tokens: int = 0
+    engine: str | None = None
+    dp: int = -1
+    blocks: int = 0
+
+    def placed(self, engine_id: str) -> tuple[int, int] | None:
+        """(dp group, blocks held) if the router chose a group of this engine."""
+        return (self.dp, self.blocks) if self.engine == engine_id and self.dp >= 0 else None
+
+
+@dataclass
+class ReplicaView:
+    """One engine replica as its KV stream showed it: the blocks each dp group holds, and its groups' state."""
+
+    engine: str
+    block_size: int
+    index: KVIndex
+    groups: list[dict[str, int]]
+    sent: list[int] = field(default_factory=list)  # tokens routed to each group since its last report
+    last_id: str | None = None
+
+    def report(self, groups: list[dict[str, int]]) -> None:
+        self.groups = groups
+        self.sent = [0] * len(groups)
+
+
+class FleetView:
+    """What the follower and the router share, per engine deployment in this process (see the module's doc)."""
+
+    def __init__(self) -> None:
+        self.live: frozenset[str] = frozenset()  # the replica ids Serve routes to now (the router's)
+        self.replicas: dict[str, ReplicaView] = {}  # by replica id (the follower's)
+        self.on_change: Any = None  # the follower's wake-up, safe to call from the router's thread
+
+    def set_live(self, ids: frozenset[str]) -> None:
+        if ids == self.live:
+            return
+        self.live = ids
+        for rid in list(self.replicas):
+            if rid not in ids:
+                self.forget(rid)
+        if self.on_change is not None:
+            self.on_change()
+
+    def forget(self, rid: str) -> None:
+        view = self.replicas.pop(rid, None)
+        if view is not None:
+            logger.info("fleet router: replica %s (engine %s) is gone: its %d blocks forgotten", rid, view.engine,
+                        sum(len(b) for b in view.index.blocks))
+
+
+_VIEWS: dict[tuple[str, str], FleetView] = {}
+
+
+def fleet_view(app_name: str, deployment: str) -> FleetView:
+    """The process's view of one engine deployment (the router and the follower find each other here)."""
+    return _VIEWS.setdefault((app_name, deployment), FleetView())
+
+
+def place(view: FleetView, weights: tuple[float, float, float, float], candidates: list[Any],
+          routed: Routed) -> list[list[Any]]:
+    """Serve's replicas (`RunningReplica`s) best first by their best dp group's `kv` score, the best one's group
+    written on `routed`. Replicas not followed yet (just started) come after every known one."""
+    best: list[tuple[tuple, Any, ReplicaView | None, int, int]] = []
+    keys: list[int] = []
+    B = 0
+    prompt = routed.token_ids
+    for order, r in enumerate(candidates):
+        v = view.replicas.get(r.replica_id.unique_id)
+        if v is None or not v.groups:
+            best.append(((1, order), r, None, -1, 0))
+            continue
+        if v.block_size != B:  # every replica has the same block size: the keys are computed once
+            B = v.block_size
+            keys = prompt_keys(prompt, B, routed.cache_salt)[:max(0, (len(prompt) - 1) // B)]
+        need = -(-len(prompt) // B)
+        choice = None
+        for dp, g in enumerate(v.groups):
+            if not g["up"]:
+                continue
+            hits = v.index.prefix(dp, keys)
+            load = g["load"] + v.sent[dp]
+            rank = (0, -kv_score(weights, B, hits, load, need, g["room"]), load, len(v.index.blocks[dp]),
+                    -g["room"], order, dp)
+            if choice is None or rank < choice[0]:
+                choice = (rank, sum(hits), dp)
+        if choice is not None:
+            best.append((choice[0], r, v, choice[2], choice[1]))
+    if not best:
+        return []
+    best.sort(key=lambda b: b[0])
+    _, first, v, dp, blocks = best[0]
+    if v is None:
+        return [[b[1] for b in best]]  # nothing known yet: Serve takes the shortest queue
+    routed.engine, routed.dp, routed.blocks = v.engine, dp, blocks
+    v.sent[dp] += len(prompt) - blocks * v.block_size + routed.max_tokens
+    return [[first], [b[1] for b in best[1:]]]
+
+
+class FleetFollower:
+    """Follows every live replica's KV stream into the shared view: one long poll per replica."""
+
+    def __init__(self, handle: Any, view: FleetView) -> None:
+        self._h = handle
+        self._view = view
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._changed = asyncio.Event()
+        self._main: asyncio.Task | None = None
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._view.on_change = lambda: loop.call_soon_threadsafe(self._changed.set)
+        self._main = loop.create_task(self._supervise())
+
+    async def close(self) -> None:
+        tasks = [t for t in (self._main, *self._tasks.values()) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _supervise(self) -> None:
+        while True:
+            self._changed.clear()
+            live = self._view.live
+            for rid in live - self._tasks.keys():
+                self._tasks[rid] = asyncio.create_task(self._follow(rid))
+            for rid in self._tasks.keys() - live:
+                self._tasks.pop(rid).cancel()
+            await self._changed.wait()
+
+    async def _follow(self, rid: str) -> None:
+        after: str | None = None
+        while rid in self._view.live:
+            try:
+                got = await self._h.follow.remote(after, POLL_S, replica=rid)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # starting, or going away: Serve's replica set says which
+                logger.info("fleet router: following replica %s failed (%s); retrying", rid, type(e).__name__)
+                after = None
+                await asyncio.sleep(RETRY_S)
+                continue
+            if got.get("replica", rid) != rid:  # another replica answered: this one is not (or no longer) there
+                await asyncio.sleep(RETRY_S)
+                continue
+            after = self._apply(rid, got)
+
+    def _apply(self, rid: str, got: dict[str, Any]) -> str | None:
+        """One follow answer into the replica's view; the id to resume after (None: ask for a snapshot)."""
+        v = self._view.replicas.get(rid)
+        if v is None or v.engine != got["engine"]:
+            if rid not in self._view.live:
+                return None
+            v = ReplicaView(got["engine"], got["block_size"], KVIndex(len(got["groups"]), 1 << 30), got["groups"])
+            v.report(got["groups"])
+            self._view.replicas[rid] = v
+        ok = True
+        for eid, event in got["events"]:
+            try:
+                dp, events = index_events(event)
+                ok = v.index.apply(dp, events) and ok
+            except (KeyError, ValueError, IndexError, TypeError):  # not an event this stream sends: resync
+                ok = False
+            v.last_id = eid
+        v.report(got["groups"])
+        return v.last_id if ok else None

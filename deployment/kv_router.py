@@ -1,0 +1,43 @@
+"""Serve's request router for the engine deployment with `fleet_routing: kv` (deployment/fleet_routing.py).
+
+Only the class, on purpose: Serve pickles the module of a router class given by path *by value* into every
+handle's process, so anything defined here would be a private copy there. What the router shares with the
+ingress's follower (the `FleetView`, the `Routed` class the ingress sends) lives in fleet_routing, imported by
+reference.
+"""
+
+from __future__ import annotations
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from deployment.fleet_routing import Routed, fleet_view, place
+
+
+class KVFleetRouter(RequestRouter):
+    """No FIFOMixin: a replica chosen for one request (and the dp group written on it) must not serve another."""
+
+    def initialize_state(self, primary_weight: float = 1.0, host_weight: float = 0.5, load_weight: float = 0.5,
+                         free_weight: float = 1.0) -> None:
+        self.weights = (primary_weight, host_weight, load_weight, free_weight)
+        self.view = fleet_view(self._deployment_id.app_name, self._deployment_id.name)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self.view.set_live(frozenset(r.replica_id.unique_id for r in replicas))
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self.view.set_live(self.view.live - {replica_id.unique_id})
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if pending_request is None:
+            return [candidate_replicas]
+        target = pending_request.kwargs.get("replica")
+        if target is not None:  # a follower's call: to that replica; while it is not here, any one answers
+            # that it is not the one (an empty choice would keep a routing task, of Serve's few, waiting for it)
+            return [[r for r in candidate_replicas if r.replica_id.unique_id == target] or candidate_replicas]
+        routed = next((a for a in pending_request.args if isinstance(a, Routed)), None)
+        if routed is None or routed.token_ids is None:
+            return [candidate_replicas]  # Serve takes the one with the shortest queue
+        return place(self.view, self.weights, candidate_replicas, routed)

@@ -1,0 +1,190 @@
+"""The fleet's `kv` router over in-process engines (no Ray): two engines stand in for two engine replicas, the
+follower is fed what each engine's `follow` answers, and the router's choice goes back into the engine as
+`placed`, as the Serve deployment does it (deployment/ingress.py)."""
+
+import asyncio
+from types import SimpleNamespace
+
+from deployment.fleet_routing import FleetFollower, FleetView, Routed, place
+from kvcache.events import prompt_keys
+from tests.engine_harness import make_engine, settled
+from workers.sampling_params import SamplingParams
+
+B = 16
+TENANT_A = list(range(1, 97))  # 6 full blocks
+TENANT_B = list(range(101, 197))
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def replica(rid: str):
+    return SimpleNamespace(replica_id=SimpleNamespace(unique_id=rid))
+
+
+class Fleet:
+    """Engines by replica id, the view and the follower (its `_apply` fed by hand), as the router sees them."""
+
+    def __init__(self, engines: dict) -> None:
+        self.engines = engines
+        self.view = FleetView()
+        self.weights = (1.0, 0.5, 0.5, 1.0)  # the routing_* settings' defaults
+        self.follower = FleetFollower(None, self.view)
+        self.after = dict.fromkeys(engines)
+        self.view.set_live(frozenset(engines))
+        self.replicas = [replica(rid) for rid in engines]
+
+    async def sync(self) -> None:
+        """One follow answer per replica, as KVFleetEngine.follow gives it."""
+        for rid, eng in self.engines.items():
+            await settled(eng)
+            got = {"engine": eng.config.engine_id, "block_size": eng.config.cache.tokens_per_block,
+                   "events": await eng.kv_events(self.after[rid], 0.0), "groups": eng.groups_state()}
+            self.after[rid] = self.follower._apply(rid, got)
+
+    async def ask(self, prompt, salt=None, max_tokens=3):
+        """Route (as Serve would: the first replica of the first rank), then run it there; the chosen rid."""
+        routed = Routed(token_ids=prompt, cache_salt=salt, max_tokens=max_tokens)
+        ranked = place(self.view, self.weights, [r for r in self.replicas if r.replica_id.unique_id in self.view.live],
+                       routed)
+        rid = ranked[0][0].replica_id.unique_id
+        eng = self.engines[rid]
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        async for _ in eng.generate(None, prompt, params, salt, placed=routed.placed(eng.config.engine_id)):
+            pass
+        await self.sync()
+        return rid, routed
+
+
+async def two_engines(dp=1):
+    engines = {}
+    for n in range(2):
+        engines[f"r{n}"] = await make_engine(dp=dp, kv_cache_bytes=2 << 20, max_seq_len=256, engine_id=f"e-{n}")
+    fleet = Fleet(engines)
+    await fleet.sync()
+    return fleet
+
+
+def test_the_replica_holding_the_prefix_gets_it_and_predicted_equals_realized():
+    async def main():
+        fleet = await two_engines()
+        first_a, _ = await fleet.ask(TENANT_A + [200])
+        first_b, _ = await fleet.ask(TENANT_B + [200])
+        assert first_a != first_b  # nothing held anywhere: the tie goes to the replica holding fewer blocks
+        for i in range(3):
+            rid, routed = await fleet.ask(TENANT_A + [210 + i])
+            assert rid == first_a and routed.blocks == 6 and routed.dp == 0
+            assert routed.engine == fleet.engines[first_a].config.engine_id
+            rid, _ = await fleet.ask(TENANT_B + [210 + i])
+            assert rid == first_b
+        for rid, eng in fleet.engines.items():
+            rec = eng.router.take_record()
+            fleet_rec = rec["fleet"]
+            assert fleet_rec["requests"] == rec["requests"] == 4  # every request was placed by the fleet
+            assert fleet_rec["predictedReusedBlocks"] == fleet_rec["realizedReusedBlocks"] \
+                == 3 * eng.router.reuse_table[6] > 0
+            # the router's index of each replica is exactly what its rank holds
+            assert fleet.view.replicas[rid].index.blocks == eng.router.index.blocks
+
+    run(main())
+
+
+def test_the_chosen_dp_group_is_where_the_engine_puts_it():
+    async def main():
+        fleet = await two_engines(dp=2)
+        rid, routed = await fleet.ask(TENANT_A + [200])
+        again_rid, again = await fleet.ask(TENANT_A + [201])
+        assert (again_rid, again.dp) == (rid, routed.dp) and again.blocks == 6
+        eng = fleet.engines[rid]
+        assert eng.router.index.prefix(routed.dp, prompt_keys(TENANT_A, B)) == (6, 0)
+        assert eng.router.take_record()["perGroupRequests"][routed.dp] == 2
+
+    run(main())
+
+
+def test_salts_stay_in_the_keys_across_replicas():
+    async def main():
+        fleet = await two_engines()
+        rid, _ = await fleet.ask(TENANT_A + [200], salt="t1")
+        _, other = await fleet.ask(TENANT_A + [201], salt="t2")  # the same text, another tenant: no hit anywhere
+        assert other.blocks == 0
+        same_rid, same = await fleet.ask(TENANT_A + [202], salt="t1")
+        assert same_rid == rid and same.blocks == 6
+
+    run(main())
+
+
+def test_load_outweighs_a_small_hit():
+    async def main():
+        fleet = await two_engines()
+        short = TENANT_A[:33]  # two full blocks held
+        rid, _ = await fleet.ask(short + [200])
+        fleet.view.replicas[rid].sent[0] = 10_000  # tokens routed there that it has not reported yet
+        other, routed = await fleet.ask(short + [201])
+        assert other != rid and routed.blocks == 0
+
+    run(main())
+
+
+def test_a_replica_that_leaves_is_forgotten_at_once_and_a_new_one_starts_from_its_snapshot():
+    async def main():
+        fleet = await two_engines()
+        rid, _ = await fleet.ask(TENANT_A + [200])
+        survivor = next(r for r in fleet.engines if r != rid)
+        fleet.view.set_live(frozenset({survivor}))  # Serve's replica set without it (it died)
+        assert rid not in fleet.view.replicas
+        moved, routed = await fleet.ask(TENANT_A + [201])
+        assert moved == survivor and routed.blocks == 0
+        # Serve's replacement: a new replica id for the same engine, followed from its (empty) snapshot
+        fresh = await make_engine(dp=1, kv_cache_bytes=2 << 20, max_seq_len=256,
+                                  engine_id=fleet.engines[rid].config.engine_id)
+        fleet.engines["r9"], fleet.after["r9"] = fresh, None
+        fleet.replicas.append(replica("r9"))
+        fleet.view.set_live(frozenset({survivor, "r9"}))
+        await fleet.sync()
+        assert fleet.view.replicas["r9"].index.blocks == [{}]
+        back, routed = await fleet.ask(TENANT_A + [202])
+        assert back == survivor and routed.blocks == 6  # the survivor holds it now
+
+    run(main())
+
+
+def test_an_event_that_does_not_fit_asks_for_a_snapshot():
+    async def main():
+        fleet = await two_engines()
+        rid, _ = await fleet.ask(TENANT_A + [200])
+        view = fleet.view.replicas[rid]
+        bogus = {"type": "BlockRemoved", "block_hashes": [12345], "medium": "GPU", "dp_rank": 0}
+        assert fleet.follower._apply(rid, {"engine": view.engine, "block_size": B, "events": [("x-1", bogus)],
+                                           "groups": view.groups}) is None  # resume from a snapshot
+        assert view.index.resync[0]
+        fleet.after[rid] = None
+        await fleet.sync()
+        assert view.index.blocks == fleet.engines[rid].router.index.blocks and not view.index.resync[0]
+        malformed = {"type": "BlockShuffled", "dp_rank": 0}
+        assert fleet.follower._apply(rid, {"engine": view.engine, "block_size": B, "events": [("x-2", malformed)],
+                                           "groups": view.groups}) is None
+
+    run(main())
+
+
+def test_the_router_serve_ships_by_value_shares_the_ingress_view_and_routed_class():
+    """Serve pickles a router's module by value into each handle's process: a `Routed` or a view defined there
+    would be a private copy, blind to what the ingress sends and the follower writes (it was, once)."""
+    import subprocess
+    import sys
+
+    from ray.serve.config import RequestRouterConfig
+
+    blob = RequestRouterConfig(request_router_class="deployment.kv_router:KVFleetRouter") \
+        .get_serialized_request_router_cls()
+    check = (
+        "import sys; from ray import cloudpickle; import deployment.fleet_routing as f\n"
+        "cls = cloudpickle.loads(sys.stdin.buffer.read())\n"
+        "g = cls.choose_replicas.__globals__\n"
+        "assert g['Routed'] is f.Routed and g['place'] is f.place, 'copies'\n"
+        "r = object.__new__(cls); r._deployment_id = type('D', (), {'app_name': 'a', 'name': 'd'})()\n"
+        "r.initialize_state(); assert r.view is f.fleet_view('a', 'd')\n")
+    done = subprocess.run([sys.executable, "-c", check], input=blob, capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
