@@ -1,17 +1,20 @@
 """Routing across engine replicas: the same multi-tenant workload on fresh apps, one per routing setup.
 
-    python bench/fleet_bench.py [--requests 96] [--tenants 8] [--blocks 48] [--salted]
+    python bench/fleet_bench.py [--requests 96] [--tenants 8] [--blocks 48] [--replicas 2] [--salted]
+                                [--restart]
 
 A workload modelled on llm-d's precise-scheduling benchmark: tenants with long system prompts (Zipf over the
 tenants), each request its tenant's system prompt + a short unique question, a `cache_salt` per tenant, the
 tenants' prompts together more than one replica's primary cache (`--blocks` blocks per rank, random model, no
 host tier), so placement decides what is evicted. `--salted`: the tenants share one product's system prompt
 but salt their caches (the same text, blocks that cannot be shared: a router that sees text sends them all to
-one replica). Setups, each on a fresh app over HTTP with the same seeded requests, 4 in flight:
-`pow2` and `prefix_affinity` (Ray Serve LLM's router) with 2 engine replicas of dp 1, and one engine of dp 2
-(`routing=kv` across its groups: what two levels of routing must not lose to). Exact `kv` routing across
-replicas is not built yet: this is its baseline. Prints the fleet hit rate over the run, TTFT p50/p99, output
-tokens/s and requests per engine. No assertions on time.
+one replica). `--restart`: one engine replica is killed half way through (Serve replaces it, its cache
+empty; the ingress re-sends its requests). Setups, each on a fresh app over HTTP with the same seeded
+requests, 4 in flight: `kv` (exact, this project's router), `prefix_affinity` (Ray Serve LLM's router) and
+`pow2` with `--replicas` engine replicas of dp 1, and one engine of dp `--replicas` (`routing=kv` across its
+groups: what two levels of routing must not lose to). Prints the fleet hit rate over the run, TTFT p50/p99,
+output tokens/s, requests per engine, predicted vs realized reuse, then `kv`'s ratios to the others. No
+assertions on time.
 """
 
 import argparse
@@ -34,11 +37,14 @@ PORT = 8391
 SYSTEM_TOKENS = 256
 OUTPUT_TOKENS = 8
 KV_BYTES_PER_TOKEN = 2048  # the built-in model: 4 layers x 2 KV heads x 32 dims x K+V x fp32
-SETUPS = {
-    "pow2": {"engine_replicas": "2", "dp": "1", "fleet_routing": "pow2"},
-    "prefix_affinity": {"engine_replicas": "2", "dp": "1", "fleet_routing": "prefix_affinity"},
-    "one engine, dp 2": {"engine_replicas": "1", "dp": "2", "routing": "kv"},
-}
+
+
+def setups(replicas: int) -> dict[str, dict[str, str]]:
+    fleet = {"engine_replicas": str(replicas), "dp": "1"}
+    return {"kv": {**fleet, "fleet_routing": "kv"},
+            "prefix_affinity": {**fleet, "fleet_routing": "prefix_affinity"},
+            "pow2": {**fleet, "fleet_routing": "pow2"},
+            f"one engine, dp {replicas}": {"engine_replicas": "1", "dp": str(replicas), "routing": "kv"}}
 
 
 def workload(n: int, tenants: int, salted: bool, seed: int = 0) -> list[tuple[int, str]]:
@@ -76,20 +82,34 @@ def fleet_counts(client: StatsClient) -> tuple[int, int]:
     return s["reusedBlocks"], s["missedBlocks"]
 
 
-def requests_per_engine(client: StatsClient) -> dict[str, int]:
-    """Requests each engine admitted, from every record the fleet holds (all pages, merged)."""
+def per_engine_and_reuse(client: StatsClient) -> tuple[dict[str, int], tuple[int, int]]:
+    """Requests each engine admitted, and (predicted, realized) reuse of the requests placed by the last level
+    of routing (the fleet's router when it placed them, else the engine's), from every record (all pages)."""
     out: dict[str, int] = {}
+    predicted = realized = 0
     for r in client.get_all_stats():
         out[r["engineId"]] = out.get(r["engineId"], 0) + r.get("numNewActiveRequests", 0)
-    return out
+        routing = r.get("routing") or {}
+        level = routing.get("fleet") if (routing.get("fleet") or {}).get("requests") else routing
+        predicted += level.get("predictedReusedBlocks", 0)
+        realized += level.get("realizedReusedBlocks", 0)
+    return dict(sorted(out.items())), (predicted, realized)
 
 
-async def run_setup(n: int, name: str, extra: dict, requests: list[tuple[int, str]], blocks: int) -> dict:
+def kill_one_engine_replica(app: str) -> None:
+    """Kill an engine replica's actor (Serve starts another: its cache empty, the same engine id)."""
+    victim = next(a for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["name"].startswith(f"SERVE_REPLICA::{app}#KVFleetEngine"))
+    ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
+
+
+async def run_setup(n: int, name: str, extra: dict, requests: list[tuple[int, str]], blocks: int,
+                    restart: bool) -> dict:
     from ray import serve
 
     settings = {"model": "random", "engine_id": f"fleetbench{n}", "tp": "1", "num_cpus_per_rank": "0.5",
                 "max_seq_len": "512", "host_cache_bytes": "0", "max_num_batched_tokens": "128",
-                "kv_cache_bytes": str(blocks * 16 * KV_BYTES_PER_TOKEN), **extra}
+                "kv_cache_bytes": str(blocks * 16 * KV_BYTES_PER_TOKEN), "placement_timeout_s": "120", **extra}
     serve.run(build_app(settings), name="fleetbench", route_prefix="/")
     url = f"http://127.0.0.1:{PORT}"
     with StatsClient(url) as stats:
@@ -97,36 +117,46 @@ async def run_setup(n: int, name: str, extra: dict, requests: list[tuple[int, st
     async with httpx.AsyncClient(base_url=url, timeout=300) as http:
         sem, results = asyncio.Semaphore(4), []
 
-        async def limited(t: int, p: str) -> None:
+        async def limited(i: int, t: int, p: str) -> None:
             async with sem:
+                if restart and i == len(requests) // 2 and extra.get("engine_replicas") != "1":
+                    kill_one_engine_replica("fleetbench")
                 results.append(await one(http, t, p))
 
         t0 = time.perf_counter()
-        await asyncio.gather(*(limited(t, p) for t, p in requests))
+        await asyncio.gather(*(limited(i, t, p) for i, (t, p) in enumerate(requests)))
         wall = time.perf_counter() - t0
     with StatsClient(url) as stats:
         reused, missed = (a - b for a, b in zip(fleet_counts(stats), before, strict=True))
-        per_engine = requests_per_engine(stats)
+        per_engine, reuse = per_engine_and_reuse(stats)
     serve.delete("fleetbench")
     ttft = sorted(f for f, _ in results)
     return {"setup": name, "hit": hit_rate(reused, missed),
             "ttft_p50": statistics.median(ttft), "ttft_p99": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
-            "tok_s": sum(n for _, n in results) / wall, "per_engine": per_engine}
+            "tok_s": sum(n for _, n in results) / wall, "per_engine": per_engine, "reuse": reuse}
 
 
 async def main(args: argparse.Namespace) -> None:
     from ray import serve
 
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     requests = workload(args.requests, args.tenants, args.salted)
-    rows = [await run_setup(n, name, extra, requests, args.blocks) for n, (name, extra) in enumerate(SETUPS.items())]
+    rows = [await run_setup(n, name, extra, requests, args.blocks, args.restart)
+            for n, (name, extra) in enumerate(setups(args.replicas).items())]
     print(f"{args.requests} requests, {args.tenants} tenants{' sharing one salted prompt' if args.salted else ''}, "
-          f"{args.blocks} primary blocks per rank, load average {os.getloadavg()[0]:.1f}")
-    print(f"{'setup':<18} {'hit rate':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'tok/s':>7}  requests per engine")
+          f"{args.replicas} replicas, {args.blocks} primary blocks per rank"
+          f"{', one replica restarted half way' if args.restart else ''}, load average {os.getloadavg()[0]:.1f}")
+    print(f"{'setup':<18} {'hit rate':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'tok/s':>7} {'pred/real':>11}  "
+          "requests per engine")
     for r in rows:
         print(f"{r['setup']:<18} {r['hit']:8.1%} {r['ttft_p50'] * 1e3:7.0f}ms {r['ttft_p99'] * 1e3:7.0f}ms "
-              f"{r['tok_s']:7.1f}  {r['per_engine']}")
+              f"{r['tok_s']:7.1f} {r['reuse'][0]:>5}/{r['reuse'][1]:<5}  {list(r['per_engine'].values())}")
+    kv, by = rows[0], {r["setup"]: r for r in rows}
+    one_engine = rows[-1]
+    print(f"kv hit rate: {kv['hit'] / by['prefix_affinity']['hit']:.2f}x prefix_affinity (target >= 1.3), "
+          f"{kv['hit'] / by['pow2']['hit']:.2f}x pow2 (>= 1.5), {kv['hit'] / one_engine['hit']:.2f}x one engine "
+          f"(>= 0.95); TTFT p50 {kv['ttft_p50'] / by['prefix_affinity']['ttft_p50']:.2f}x prefix_affinity (<= 0.8)")
     serve.shutdown()
     ray.shutdown()
 
@@ -136,5 +166,7 @@ if __name__ == "__main__":
     ap.add_argument("--requests", type=int, default=96)
     ap.add_argument("--tenants", type=int, default=8)
     ap.add_argument("--blocks", type=int, default=48, help="primary KV blocks per rank (16 tokens each)")
+    ap.add_argument("--replicas", type=int, default=2, help="engine replicas (and the one engine's dp groups)")
     ap.add_argument("--salted", action="store_true", help="tenants share one system prompt, salted apart")
+    ap.add_argument("--restart", action="store_true", help="kill one engine replica half way through")
     asyncio.run(main(ap.parse_args()))

@@ -12,9 +12,12 @@ the chosen replica the group it scored best (`Routed.dp`), so the engine does no
   sends it to that replica.
 - `KVFleetRouter` (Serve's router loop, another thread) decides with the views the follower writes (`place`).
   They share a `FleetView`: the router owns the set of live replicas (Serve tells it), the follower the
-  per-replica views. Plain dict reads and whole-object replacements only, so no lock: CPython's dict operations
-  are atomic, and a lost `sent` increment (a report replaced the list meanwhile) only makes one estimate a
-  little low.
+  per-replica views. Plain dict reads, appends and whole-object replacements only, so no lock: CPython's dict
+  and list operations are atomic.
+
+Between a decision and the replica's next report the router counts what it sent there itself: each routed
+request carries a ticket (this view's id, a sequence number); a replica reports the newest ticket of each
+router it admitted, and the requests up to it are in its own load and room from then on.
 
 A replica that leaves Serve's replica set (died, replaced) is forgotten at once: its view is dropped, so no
 request is sent its way for blocks that are gone; its successor (a new replica id, the same engine id) is
@@ -25,7 +28,9 @@ tenant's blocks never predict another's reuse.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,8 +51,8 @@ class Routed:
 
     `prompt`: Ray Serve LLM's PrefixCacheAffinityRouter takes the text of a `prompt` attribute of any
     positional argument (the prompt as the engine sees it, a chat's templated text). `token_ids`, `cache_salt`,
-    `max_tokens`: what `KVFleetRouter` keys and weighs. It writes `engine`, `dp` and `blocks` (the prompt
-    blocks the group holds) before Serve sends the call, so they travel with it."""
+    `max_tokens`: what `KVFleetRouter` keys and weighs. It writes `engine`, `dp`, `blocks` (the prompt blocks
+    the group holds) and its ticket before Serve sends the call, so they travel with it."""
 
     prompt: str = ""
     token_ids: list[int] | None = None
@@ -56,6 +61,8 @@ class Routed:
     engine: str | None = None
     dp: int = -1
     blocks: int = 0
+    router: str = ""  # the deciding router's view id, and its ticket for this request (ReplicaView.report)
+    ticket: int = -1
 
     def placed(self, engine_id: str) -> tuple[int, int] | None:
         """(dp group, blocks held) if the router chose a group of this engine."""
@@ -70,18 +77,31 @@ class ReplicaView:
     block_size: int
     index: KVIndex
     groups: list[dict[str, int]]
-    sent: list[int] = field(default_factory=list)  # tokens routed to each group since its last report
-    last_id: str | None = None
+    sent: list[tuple[int, int, int, int]] = field(default_factory=list)  # (ticket, dp, tokens, blocks) not
+    last_id: str | None = None  # reported yet
 
-    def report(self, groups: list[dict[str, int]]) -> None:
+    def report(self, groups: list[dict[str, int]], admitted: int) -> None:
+        """The replica's groups now; `admitted`: the newest of this router's tickets it has admitted."""
         self.groups = groups
-        self.sent = [0] * len(groups)
+        if self.sent and self.sent[0][0] <= admitted:
+            self.sent = [s for s in self.sent if s[0] > admitted]
+
+    def pending(self, dp: int) -> tuple[int, int]:
+        """(tokens, blocks) sent to group `dp` that its last report did not count yet."""
+        tokens = blocks = 0
+        for _, d, t, b in self.sent:
+            if d == dp:
+                tokens += t
+                blocks += b
+        return tokens, blocks
 
 
 class FleetView:
     """What the follower and the router share, per engine deployment in this process (see the module's doc)."""
 
     def __init__(self) -> None:
+        self.id = secrets.token_hex(6)  # names this process's router in the replicas' reports
+        self.tickets = itertools.count()
         self.live: frozenset[str] = frozenset()  # the replica ids Serve routes to now (the router's)
         self.replicas: dict[str, ReplicaView] = {}  # by replica id (the follower's)
         self.on_change: Any = None  # the follower's wake-up, safe to call from the router's thread
@@ -133,9 +153,10 @@ def place(view: FleetView, weights: tuple[float, float, float, float], candidate
             if not g["up"]:
                 continue
             hits = v.index.prefix(dp, keys)
-            load = g["load"] + v.sent[dp]
-            rank = (0, -kv_score(weights, B, hits, load, need, g["room"]), load, len(v.index.blocks[dp]),
-                    -g["room"], order, dp)
+            tokens, blocks = v.pending(dp)
+            load, room = g["load"] + tokens, g["room"] - blocks
+            rank = (0, -kv_score(weights, B, hits, load, need, room), load, len(v.index.blocks[dp]), -room,
+                    order, dp)
             if choice is None or rank < choice[0]:
                 choice = (rank, sum(hits), dp)
         if choice is not None:
@@ -147,7 +168,9 @@ def place(view: FleetView, weights: tuple[float, float, float, float], candidate
     if v is None:
         return [[b[1] for b in best]]  # nothing known yet: Serve takes the shortest queue
     routed.engine, routed.dp, routed.blocks = v.engine, dp, blocks
-    v.sent[dp] += len(prompt) - blocks * v.block_size + routed.max_tokens
+    routed.router, routed.ticket = view.id, next(view.tickets)
+    total = len(prompt) + routed.max_tokens  # what the engine's load and room count once it has it
+    v.sent.append((routed.ticket, dp, total - blocks * v.block_size, -(-total // v.block_size) - blocks))
     return [[first], [b[1] for b in best[1:]]]
 
 
@@ -206,7 +229,6 @@ class FleetFollower:
             if rid not in self._view.live:
                 return None
             v = ReplicaView(got["engine"], got["block_size"], KVIndex(len(got["groups"]), 1 << 30), got["groups"])
-            v.report(got["groups"])
             self._view.replicas[rid] = v
         ok = True
         for eid, event in got["events"]:
@@ -216,5 +238,5 @@ class FleetFollower:
             except (KeyError, ValueError, IndexError, TypeError):  # not an event this stream sends: resync
                 ok = False
             v.last_id = eid
-        v.report(got["groups"])
+        v.report(got["groups"], got.get("tickets", {}).get(self._view.id, -1))
         return v.last_id if ok else None

@@ -38,6 +38,7 @@ NUM_CPUS = 0
 # would queue them
 MAX_ONGOING_REQUESTS = 1000
 _ENGINE_ERRORS = (RequestError, EngineError, RequestFailed)
+MAX_ROUTERS = 64  # fleet routers (one per ingress replica process) whose tickets an engine replica reports
 
 
 class ActorStats:
@@ -98,6 +99,7 @@ class KVFleetEngine:
         from engine.core import Engine  # imported here: importing `deployment` must stay light
 
         self._settings = settings
+        self._tickets: dict[str, int] = {}  # the fleet router's newest ticket admitted, per router (follow)
         rank = serve.get_replica_context().rank.rank  # Serve's replica rank: the engine this replica is
         self._engine = Engine(settings.engine_config(rank))
         try:
@@ -123,6 +125,10 @@ class KVFleetEngine:
         placed = routed.placed(self._engine.config.engine_id) if isinstance(routed, Routed) else None
         events = self._engine.generate(request_id, prompt_token_ids, params, cache_salt, announce=True,
                                        drawn=drawn, placed=placed)
+        if placed is not None:  # from the next report on, the router finds it in this engine's load and room
+            self._tickets[routed.router] = max(routed.ticket, self._tickets.get(routed.router, -1))
+            if len(self._tickets) > MAX_ROUTERS:  # routers of ingress replicas long gone
+                self._tickets.pop(next(iter(self._tickets)))
         async with contextlib.aclosing(events):  # closed when this stream is: the engine aborts the request then
             async for ev in events:
                 yield ev
@@ -143,7 +149,7 @@ class KVFleetEngine:
             return {"replica": me}
         events = await e.kv_events(after, timeout_s)
         return {"replica": me, "engine": e.config.engine_id, "block_size": e.config.cache.tokens_per_block,
-                "events": events, "groups": e.groups_state()}
+                "events": events, "groups": e.groups_state(), "tickets": self._tickets}
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Serve's routing stats of this replica: its engine id (what a router, or an operator, can read)."""

@@ -32,6 +32,7 @@ class Fleet:
         self.weights = (1.0, 0.5, 0.5, 1.0)  # the routing_* settings' defaults
         self.follower = FleetFollower(None, self.view)
         self.after = dict.fromkeys(engines)
+        self.admitted: dict[str, int] = {}  # per replica: this router's newest ticket it admitted
         self.view.set_live(frozenset(engines))
         self.replicas = [replica(rid) for rid in engines]
 
@@ -40,7 +41,8 @@ class Fleet:
         for rid, eng in self.engines.items():
             await settled(eng)
             got = {"engine": eng.config.engine_id, "block_size": eng.config.cache.tokens_per_block,
-                   "events": await eng.kv_events(self.after[rid], 0.0), "groups": eng.groups_state()}
+                   "events": await eng.kv_events(self.after[rid], 0.0), "groups": eng.groups_state(),
+                   "tickets": {self.view.id: self.admitted.get(rid, -1)}}
             self.after[rid] = self.follower._apply(rid, got)
 
     async def ask(self, prompt, salt=None, max_tokens=3):
@@ -50,6 +52,7 @@ class Fleet:
                        routed)
         rid = ranked[0][0].replica_id.unique_id
         eng = self.engines[rid]
+        self.admitted[rid] = routed.ticket
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
         async for _ in eng.generate(None, prompt, params, salt, placed=routed.placed(eng.config.engine_id)):
             pass
@@ -120,9 +123,28 @@ def test_load_outweighs_a_small_hit():
         fleet = await two_engines()
         short = TENANT_A[:33]  # two full blocks held
         rid, _ = await fleet.ask(short + [200])
-        fleet.view.replicas[rid].sent[0] = 10_000  # tokens routed there that it has not reported yet
+        fleet.view.replicas[rid].sent.append((1 << 40, 0, 10_000, 0))  # routed there, not reported yet
         other, routed = await fleet.ask(short + [201])
         assert other != rid and routed.blocks == 0
+
+    run(main())
+
+
+def test_what_the_router_sent_counts_until_the_replica_reports_it():
+    async def main():
+        fleet = await two_engines()
+        rid, routed = await fleet.ask(TENANT_A + [200])
+        view = fleet.view.replicas[rid]
+        assert view.sent == []  # admitted and reported: the engine's own load and room count it now
+        second = Routed(token_ids=TENANT_A + [201], max_tokens=5)
+        place(fleet.view, fleet.weights, fleet.replicas, second)  # decided, not sent yet
+        assert second.ticket == routed.ticket + 1 and second.router == fleet.view.id
+        assert view.pending(0) == (97 + 5 - 6 * B, 7 - 6)  # what is not cached; blocks beyond the held 6
+        await fleet.sync()  # a report that has not seen it: still pending
+        assert view.pending(0) == (97 + 5 - 6 * B, 1)
+        fleet.admitted[rid] = second.ticket
+        await fleet.sync()
+        assert view.pending(0) == (0, 0)
 
     run(main())
 
