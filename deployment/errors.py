@@ -6,6 +6,7 @@ field, an unknown route or rank) is rejected here, before anything reaches a ran
 
 import json
 import logging
+import math
 import re
 
 from fastapi import FastAPI, Request
@@ -13,6 +14,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from ray.exceptions import GetTimeoutError, RayActorError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.errors import EngineError, Overloaded, RequestError, RequestFailed
 
 logger = logging.getLogger("kvfleet.deployment")
 
@@ -138,3 +141,23 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RayActorError, on_actor_down)
     app.add_exception_handler(GetTimeoutError, on_actor_down)
     app.add_exception_handler(Exception, on_unexpected)
+
+
+def engine_error(exc: Exception) -> APIError:
+    """What a client sees of a failure: one clean line, never a traceback."""
+    if isinstance(exc, RequestError):
+        return APIError(400, exc.message, code=exc.code)
+    if isinstance(exc, Overloaded):
+        return APIError(429, f"the engine is overloaded: {clean_message(exc)}", code="overloaded",
+                        headers=_retry_after(exc))
+    if isinstance(exc, EngineError):
+        return APIError(503, f"the engine cannot serve: {clean_message(exc)}", code="engine_unavailable",
+                        headers=_retry_after(exc))
+    if isinstance(exc, RequestFailed):
+        return APIError(500, clean_message(exc), code="request_failed")
+    logger.exception("the engine failed")
+    return APIError(500, f"the engine failed: {type(exc).__name__}", code="internal_error")
+
+
+def _retry_after(exc: EngineError) -> dict[str, str]:
+    return {"Retry-After": str(max(1, math.ceil(getattr(exc, "retry_after_s", 1.0))))}

@@ -31,6 +31,7 @@ import asyncio
 import itertools
 import logging
 import secrets
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +44,7 @@ logger = logging.getLogger("kvfleet.deployment")
 
 POLL_S = 1.0  # a follow long poll's wait: the groups' load is at most this old while no event comes
 RETRY_S = 0.5  # after a failed follow call (the replica is starting, or going away)
+PUBLISH_S = 5.0  # how long a sent prompt's blocks count as coming without its replica's events showing them
 
 
 @dataclass
@@ -70,6 +72,18 @@ class Routed:
 
 
 @dataclass
+class Sent:
+    """A request this router sent to a replica, until that replica's reports account for it."""
+
+    ticket: int
+    dp: int
+    tokens: int  # what it adds to the group's load, and
+    blocks: int  # takes of its room, until the replica reports having admitted it
+    keys: list[int]  # its prompt's full blocks: held soon, until the replica's events say they are
+    at: float
+
+
+@dataclass
 class ReplicaView:
     """One engine replica as its KV stream showed it: the blocks each dp group holds, and its groups' state."""
 
@@ -77,23 +91,42 @@ class ReplicaView:
     block_size: int
     index: KVIndex
     groups: list[dict[str, int]]
-    sent: list[tuple[int, int, int, int]] = field(default_factory=list)  # (ticket, dp, tokens, blocks) not
-    last_id: str | None = None  # reported yet
+    sent: list[Sent] = field(default_factory=list)
+    admitted: int = -1  # the newest of this router's tickets the replica reported admitted
+    last_id: str | None = None
 
     def report(self, groups: list[dict[str, int]], admitted: int) -> None:
-        """The replica's groups now; `admitted`: the newest of this router's tickets it has admitted."""
-        self.groups = groups
-        if self.sent and self.sent[0][0] <= admitted:
-            self.sent = [s for s in self.sent if s[0] > admitted]
+        """The replica's groups now; `admitted`: the newest of this router's tickets it has admitted. A sent
+        request is forgotten once admitted and its prompt's blocks are in the index (or PUBLISH_S passed:
+        it waited, failed or was evicted meanwhile)."""
+        self.groups, self.admitted = groups, admitted
+        if self.sent:
+            now = time.monotonic()
+            self.sent = [s for s in self.sent if s.ticket > admitted or (
+                now - s.at < PUBLISH_S and s.keys and s.keys[-1] not in self.index.blocks[s.dp])]
 
     def pending(self, dp: int) -> tuple[int, int]:
         """(tokens, blocks) sent to group `dp` that its last report did not count yet."""
         tokens = blocks = 0
-        for _, d, t, b in self.sent:
-            if d == dp:
-                tokens += t
-                blocks += b
+        for s in self.sent:
+            if s.dp == dp and s.ticket > self.admitted:
+                tokens += s.tokens
+                blocks += s.blocks
         return tokens, blocks
+
+    def prefix(self, dp: int, keys: list[int]) -> tuple[int, int]:
+        """(primary, host) blocks of the longest prefix of `keys` group `dp` holds, or will hold by the time
+        this prompt is prefilled there: the blocks of the prompts sent to it whose events have not come yet
+        (without them a tenant's burst would scatter over the replicas before its first blocks show)."""
+        primary, host = self.index.prefix(dp, keys)
+        if primary + host == len(keys) or not self.sent:
+            return primary, host
+        coming = {k for s in self.sent if s.dp == dp for k in s.keys}
+        for key in keys[primary + host:]:
+            if key not in coming and key not in self.index.blocks[dp]:
+                break
+            primary += 1
+        return primary, host
 
 
 class FleetView:
@@ -152,7 +185,7 @@ def place(view: FleetView, weights: tuple[float, float, float, float], candidate
         for dp, g in enumerate(v.groups):
             if not g["up"]:
                 continue
-            hits = v.index.prefix(dp, keys)
+            hits = v.prefix(dp, keys)
             tokens, blocks = v.pending(dp)
             load, room = g["load"] + tokens, g["room"] - blocks
             rank = (0, -kv_score(weights, B, hits, load, need, room), load, len(v.index.blocks[dp]), -room,
@@ -170,7 +203,8 @@ def place(view: FleetView, weights: tuple[float, float, float, float], candidate
     routed.engine, routed.dp, routed.blocks = v.engine, dp, blocks
     routed.router, routed.ticket = view.id, next(view.tickets)
     total = len(prompt) + routed.max_tokens  # what the engine's load and room count once it has it
-    v.sent.append((routed.ticket, dp, total - blocks * v.block_size, -(-total // v.block_size) - blocks))
+    v.sent.append(Sent(routed.ticket, dp, total - blocks * v.block_size, -(-total // v.block_size) - blocks, keys,
+                       time.monotonic()))
     return [[first], [b[1] for b in best[1:]]]
 
 
@@ -194,6 +228,13 @@ class FleetFollower:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+    def replica_of(self, engine: str) -> str | None:
+        """The live replica that is engine `engine` now, as its last follow answer said."""
+        for rid, v in list(self._view.replicas.items()):
+            if v.engine == engine and rid in self._view.live:
+                return rid
+        return None
 
     async def _supervise(self) -> None:
         while True:

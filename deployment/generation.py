@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any, Literal, Protocol
@@ -21,10 +20,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from deployment import protocol
 from deployment.detokenize import TextStream
-from deployment.errors import APIError, clean_message, error_body
+from deployment.errors import APIError, engine_error, error_body
 from deployment.settings import Settings
 from deployment.sse import SSE_EVENT, SSE_HEADERS
-from engine.errors import EngineError, Overloaded, RequestError, RequestFailed
+from engine.errors import RequestError
 
 logger = logging.getLogger("kvfleet.deployment")
 
@@ -43,26 +42,6 @@ class EngineProtocol(Protocol):
                  cache_salt: str | None = None) -> AsyncGenerator[Any, None]:
         """Token events; an engine behind a handle yields None first, once it has admitted the request."""
     async def health(self) -> dict[str, Any]: ...
-
-
-def engine_error(exc: Exception) -> APIError:
-    """What a client sees of a failure: one clean line, never a traceback."""
-    if isinstance(exc, RequestError):
-        return APIError(400, exc.message, code=exc.code)
-    if isinstance(exc, Overloaded):
-        return APIError(429, f"the engine is overloaded: {clean_message(exc)}", code="overloaded",
-                        headers=_retry_after(exc))
-    if isinstance(exc, EngineError):
-        return APIError(503, f"the engine cannot serve: {clean_message(exc)}", code="engine_unavailable",
-                        headers=_retry_after(exc))
-    if isinstance(exc, RequestFailed):
-        return APIError(500, clean_message(exc), code="request_failed")
-    logger.exception("generation failed")
-    return APIError(500, f"generation failed: {type(exc).__name__}", code="internal_error")
-
-
-def _retry_after(exc: EngineError) -> dict[str, str]:
-    return {"Retry-After": str(max(1, math.ceil(getattr(exc, "retry_after_s", 1.0))))}
 
 
 async def _admitted(events: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:

@@ -136,8 +136,13 @@ class KVFleetEngine:
     async def health(self) -> dict[str, Any]:
         return await self._engine.health()
 
-    async def kv_events(self, after: str | None, timeout_s: float) -> list[tuple[str, dict]]:
-        """Long poll of the KV event stream (engine/kv_stream.py): (id, vLLM-shaped event) after `after`."""
+    async def kv_events(self, after: str | None, timeout_s: float,
+                        replica: str | None = None) -> list[tuple[str, dict]]:
+        """Long poll of the KV event stream (engine/kv_stream.py): (id, vLLM-shaped event) after `after`.
+        `replica`: the replica the `kv` router sends the call to (/kv_events?engine= with several)."""
+        if replica is not None and replica != serve.get_replica_context().replica_id.unique_id:
+            raise EngineError(f"engine {self._engine.config.engine_id!r} answered for replica {replica}, which "
+                              "is not up: retry")
         return await self._engine.kv_events(after, timeout_s)
 
     async def follow(self, after: str | None, timeout_s: float, replica: str | None = None) -> dict[str, Any]:
@@ -172,8 +177,9 @@ class EngineClient:
     in-process Engine (never a Ray traceback), and a stream that aborts the request when it is closed."""
 
     def __init__(self, handle: DeploymentHandle, tokenizer: Any, info: dict[str, Any], resend_s: float,
-                 routing: str = "pow2") -> None:
+                 routing: str = "pow2", engines: list[str] | None = None) -> None:
         self._h = handle
+        self.engines = engines or []  # the fleet's engine ids (several: /kv_events needs one named)
         self.routing = routing  # what the request router reads: the text (prefix_affinity), the tokens (kv)
         self.follower: FleetFollower | None = None
         if routing == "kv":  # the kv router's view of every replica's cache: followed from here
@@ -221,9 +227,25 @@ class EngineClient:
         except Exception as e:
             raise _engine_error(e) from None
 
-    async def kv_events(self, after: str | None, timeout_s: float) -> list[tuple[str, dict]]:
+    async def kv_events(self, after: str | None, timeout_s: float,
+                        engine: str | None = None) -> list[tuple[str, dict]]:
+        """One engine's stream: with several, the one named, reached through the `kv` router's view of which
+        replica is which engine (no other router can address a replica)."""
+        replica = None
+        if len(self.engines) > 1:
+            if engine not in self.engines:
+                raise RequestError(f"this app runs {len(self.engines)} engines: name one with ?engine= (one of "
+                                   f"{', '.join(self.engines)})", "engine_required")
+            if self.follower is None:
+                raise RequestError("/kv_events of one of several engines needs fleet_routing=kv (Serve's other "
+                                   "routers cannot address an engine replica)", "unsupported")
+            replica = self.follower.replica_of(engine)
+            if replica is None:
+                raise EngineError(f"engine {engine!r} has no replica up now", 2.0)
         try:
-            return await self._h.kv_events.remote(after, timeout_s)
+            if replica is None:
+                return await self._h.kv_events.remote(after, timeout_s)
+            return await self._h.kv_events.remote(after, timeout_s, replica=replica)
         except Exception as e:
             raise _engine_error(e) from None
 
@@ -252,7 +274,7 @@ class KVFleetIngress:
         self._settings = settings
         info = await engine.info.remote()  # waits for the engine's replica to be up
         self._engine = EngineClient(engine, load_tokenizer(settings.model or None), info,
-                                    settings.placement_timeout_s, settings.fleet_policy)
+                                    settings.placement_timeout_s, settings.fleet_policy, settings.engine_ids())
         self._stats = fleet_stats(settings, info["aggregator"])
 
     def __serve_build_asgi_app__(self) -> FastAPI:

@@ -193,3 +193,25 @@ def test_a_replica_killed_under_streaming_traffic_loses_no_request_and_the_fleet
         for e in ENGINES:
             summed = _summed(per[e])
             assert summed == {k: fleet["engines"][e][k] for k in summed}, e
+
+
+def _first_kv_event_id(url: str, engine: str) -> str:
+    with httpx.stream("GET", f"{url}/kv_events", params={"engine": engine}, timeout=30) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("id: "):
+                return line[4:]
+    raise AssertionError("no event")
+
+
+def test_kv_events_serve_the_engine_named(app):
+    """Several engines: /kv_events is one engine's stream, the one `?engine=` names, on every connect."""
+    url = app
+    r = httpx.get(f"{url}/kv_events", timeout=30)
+    assert r.status_code == 400 and "engine" in r.json()["error"]["message"]
+    assert httpx.get(f"{url}/kv_events", params={"engine": "nope"}, timeout=30).status_code == 404
+    for e in ENGINES:
+        incarnations = {_first_kv_event_id(url, e).partition("-")[0] for _ in range(4)}
+        assert len(incarnations) == 1, (e, incarnations)  # the same engine's stream each time
+    first, second = (_first_kv_event_id(url, e).partition("-")[0] for e in ENGINES)
+    assert first != second

@@ -5,7 +5,7 @@ follower is fed what each engine's `follow` answers, and the router's choice goe
 import asyncio
 from types import SimpleNamespace
 
-from deployment.fleet_routing import FleetFollower, FleetView, Routed, place
+from deployment.fleet_routing import FleetFollower, FleetView, Routed, Sent, place
 from kvcache.events import prompt_keys
 from tests.engine_harness import make_engine, settled
 from workers.sampling_params import SamplingParams
@@ -123,7 +123,7 @@ def test_load_outweighs_a_small_hit():
         fleet = await two_engines()
         short = TENANT_A[:33]  # two full blocks held
         rid, _ = await fleet.ask(short + [200])
-        fleet.view.replicas[rid].sent.append((1 << 40, 0, 10_000, 0))  # routed there, not reported yet
+        fleet.view.replicas[rid].sent.append(Sent(1 << 40, 0, 10_000, 0, [], 0.0))  # routed there, not reported
         other, routed = await fleet.ask(short + [201])
         assert other != rid and routed.blocks == 0
 
@@ -145,6 +145,19 @@ def test_what_the_router_sent_counts_until_the_replica_reports_it():
         fleet.admitted[rid] = second.ticket
         await fleet.sync()
         assert view.pending(0) == (0, 0)
+
+
+def test_a_burst_of_one_prompt_stays_together_before_its_blocks_show():
+    """Blocks of a prompt sent to a replica count as held there before its events arrive: the tenant's next
+    requests follow it instead of warming a second replica."""
+    async def main():
+        fleet = await two_engines()
+        burst = [Routed(token_ids=TENANT_A + [200 + i], max_tokens=3) for i in range(3)]
+        ranked = [place(fleet.view, fleet.weights, fleet.replicas, r) for r in burst]  # none sent yet
+        assert len({r[0][0].replica_id.unique_id for r in ranked}) == 1
+        assert [r.blocks for r in burst] == [0, 6, 6]
+
+    run(main())
 
     run(main())
 

@@ -91,7 +91,36 @@ def test_a_stream_whose_engine_goes_away_ends_cleanly_at_its_last_event():
             raise ConnectionError("the engine replica is being replaced")
 
     async def read() -> list[str]:
-        return [chunk async for chunk in _stream(Gone(), None, [("a1-7", {"type": "AllBlocksCleared"})])]
+        return [chunk async for chunk in _stream(Gone().kv_events, None, [("a1-7", {"type": "AllBlocksCleared"})])]
 
     chunks = asyncio.run(read())  # ends instead of raising into the server (a traceback and a cut connection)
     assert len(chunks) == 1 and "id: a1-7" in chunks[0]
+
+
+def test_an_engine_that_cannot_answer_is_a_status_before_the_stream():
+    """A refusal before the stream is its HTTP status (several engines and none named: 400; the named one has no
+    replica up: 503 + Retry-After; a name that is no engine: 404), never a 500."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from deployment.errors import install_error_handlers
+    from deployment.kv_events import kv_events_router
+    from engine.errors import EngineError, RequestError
+
+    class Fleet:
+        engines = ["e-0", "e-1"]
+
+        async def kv_events(self, after, timeout_s, engine=None):
+            if engine is None:
+                raise RequestError("name one with ?engine=", "engine_required")
+            raise EngineError(f"engine {engine!r} has no replica up now", 2.0)
+
+    app = FastAPI()
+    install_error_handlers(app)
+    app.include_router(kv_events_router(Fleet()))
+    with TestClient(app) as client:
+        r = client.get("/kv_events")
+        assert (r.status_code, r.json()["error"]["code"]) == (400, "engine_required")
+        r = client.get("/kv_events", params={"engine": "e-1"})
+        assert (r.status_code, r.headers["retry-after"]) == (503, "2")
+        assert client.get("/kv_events", params={"engine": "e-9"}).status_code == 404
