@@ -143,7 +143,8 @@ async def main(args: argparse.Namespace) -> None:
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     requests = workload(args.requests, args.tenants, args.salted)
     chosen = {k: v for k, v in setups(args.replicas).items() if not args.setups or k.split(",")[0] in args.setups}
-    rows = [await run_setup(n, name, extra, requests, args.blocks, args.restart)
+    common = dict(kv.split("=", 1) for kv in args.set or [])
+    rows = [await run_setup(n, name, {**extra, **common}, requests, args.blocks, args.restart)
             for n, (name, extra) in enumerate(chosen.items())]
     print(f"{args.requests} requests, {args.tenants} tenants{' sharing one salted prompt' if args.salted else ''}, "
           f"{args.replicas} replicas, {args.blocks} primary blocks per rank"
@@ -173,4 +174,5 @@ if __name__ == "__main__":
     ap.add_argument("--salted", action="store_true", help="tenants share one system prompt, salted apart")
     ap.add_argument("--restart", action="store_true", help="kill one engine replica half way through")
     ap.add_argument("--setups", nargs="*", help="run only these (kv, prefix_affinity, pow2, 'one engine')")
+    ap.add_argument("--set", nargs="*", help="settings for every setup, key=value (e.g. routing_load_weight=0.1)")
     asyncio.run(main(ap.parse_args()))

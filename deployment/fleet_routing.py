@@ -13,7 +13,8 @@ the chosen replica the group it scored best (`Routed.dp`), so the engine does no
 - `KVFleetRouter` (Serve's router loop, another thread) decides with the views the follower writes (`place`).
   They share a `FleetView`: the router owns the set of live replicas (Serve tells it), the follower the
   per-replica views. Plain dict reads, appends and whole-object replacements only, so no lock: CPython's dict
-  and list operations are atomic.
+  and list operations are atomic (a decision appended while a report replaces the list is lost, which only
+  makes that replica's load look lighter until its next report, some milliseconds later).
 
 Between a decision and the replica's next report the router counts what it sent there itself: each routed
 request carries a ticket (this view's id, a sequence number); a replica reports the newest ticket of each
