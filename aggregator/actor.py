@@ -52,6 +52,7 @@ TAIL_RECORDS = 256  # a restart restores at least this many of the newest record
 TAIL_SLOTS = 2 * TAIL_RECORDS  # the ring of record slots: one state save per TAIL_RECORDS slots written
 
 
+SLIVER = 0.001  # of a placement resource (`engine_resource`): it steers where the actor runs, it reserves nothing
 NAMESPACE = "kvfleet"  # the aggregator's Ray namespace: a new engine replica (or an operator) finds it by name
 
 
@@ -244,11 +245,13 @@ class StatsAggregatorImpl:
         for r in range(self.world_size):
             latest = self.asm.latest.get(r)
             d, it, seen = latest if latest else (None, None, None)
+            lay = self.asm.layouts.get((r, d.incarnation)) if d else None
             out[str(r)] = {
                 "rank": r, "dp_rank": r // self.tp, "tp_rank": r % self.tp,
                 "incarnation": d.incarnation if d else None, "last_seen": seen,
                 "age_s": None if seen is None else now - seen,
                 "healthy": d is not None and r not in self.asm.missing,
+                "node_id": lay.node_id if lay else None, "node_ip": lay.node_ip if lay else None,
                 "record": self.asm.rank_record(d, it) if d else None,
             }
         return out
@@ -280,8 +283,10 @@ StatsAggregator = ray.remote(max_restarts=-1, max_task_retries=-1)(StatsAggregat
 
 
 def get_or_create_aggregator(engine_id: str, world_size: int, tp: int, buffer_size: int = 10_000,
-                             **options: Any) -> ray.actor.ActorHandle:
-    """The engine's aggregator actor, created on first use (named, so a new engine finds it by engine id)."""
+                             resource: str = "", **options: Any) -> ray.actor.ActorHandle:
+    """The engine's aggregator actor, created on first use (named, so a new engine finds it by engine id).
+    `resource`: a custom resource it asks a sliver of, so it runs (and Ray restarts it) only on the nodes that
+    advertise it (deployment/settings.py `engine_resource`)."""
     opts = {"name": aggregator_name(engine_id), "namespace": NAMESPACE, "get_if_exists": True, "num_cpus": 0,
-            **options}
+            **({"resources": {resource: SLIVER}} if resource else {}), **options}
     return StatsAggregator.options(**opts).remote(engine_id, world_size, tp, buffer_size)
