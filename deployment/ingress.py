@@ -356,5 +356,17 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     check_model_setting(settings)
     router = request_router(settings)
     engine = KVFleetEngine.options(num_replicas=settings.engine_replicas,
+                                   ray_actor_options=actor_options(settings.engine_resource),
                                    **({"request_router_config": router} if router else {})).bind(settings)
-    return KVFleetIngress.options(num_replicas=settings.ingress_replicas).bind(settings, engine)
+    return KVFleetIngress.options(num_replicas=settings.ingress_replicas,
+                                  ray_actor_options=actor_options(settings.ingress_resource)).bind(settings, engine)
+
+
+def actor_options(resource: str) -> dict[str, Any]:
+    """A replica's actor options: no CPU, and a sliver of `resource` when one is set, so Serve places (and
+    replaces) it only on the nodes that advertise it: the head on KubeRay, whose loss is the cluster's anyway.
+    Serve's own placement knobs do not fit: `placement_group_strategy` is per replica, and node affinity would
+    name a node id that a new head no longer has."""
+    from aggregator.actor import SLIVER
+
+    return {"num_cpus": NUM_CPUS, **({"resources": {resource: SLIVER}} if resource else {})}

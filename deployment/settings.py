@@ -122,6 +122,15 @@ class Settings(BaseSettings):
     kv_events_topic: str = Field("", description="the topic frame of every ZMQ KV event batch")
     kv_events_buffer_steps: int = Field(10_000, ge=1, description="ZMQ KV event batches (one per group and step) "
                                         "kept for replay")
+    ingress_resource: str = Field(
+        "", description="a custom Ray resource that the nodes allowed to host the ingress replicas advertise (each "
+        "replica asks for 0.001 of it): on KubeRay the head's `kvfleet_control`, so no worker node's loss takes an "
+        "ingress with its requests; empty = any node"
+    )
+    engine_resource: str = Field(
+        "", description="the same for the engine replicas and their stats aggregators (the ranks always go to "
+        "nodes with CPUs or GPUs for them); empty = any node"
+    )
     step_transport: Literal["compiled_graph", "actor_calls"] = Field(
         "actor_calls", description="how the engine steps its ranks: one actor call per rank, or one Ray "
         "Compiled Graph execution per iteration (less driver work per step, but its waiting ranks and the "

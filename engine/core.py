@@ -107,7 +107,7 @@ class Engine(GroupRecovery):
         dtype = self._dtype = ranks.dtype_of(s, device)
         # detached: the aggregator (and the cluster's cumulative statistics) outlive this engine's replica
         self.aggregator = get_or_create_aggregator(s.engine_id, self.world_size, s.tp, s.stats_buffer_size,
-                                                   lifetime="detached")
+                                                   s.engine_resource, lifetime="detached")
         health = await self.aggregator.health.remote()
         if (health["world_size"], health["tp"]) != (self.world_size, s.tp):
             raise EngineError(
@@ -137,8 +137,22 @@ class Engine(GroupRecovery):
                  self.world_size, device, dtype, self.iteration, self.max_request_tokens)
 
     async def _launch(self, dp: int) -> ranks.Launched:
-        """Start and set up dp group `dp` (tests replace this and `_stop` with in-process ranks)."""
-        return await ranks.launch_group(self.config, dp, self._device, self._dtype)
+        """Start and set up dp group `dp`, preferring the node with the fewest of the other groups (tests replace
+        this and `_stop` with in-process ranks). A restart waits for resources as long as it takes (the group
+        is pending meanwhile, and /health says so): a lost node's groups come back when a node joins."""
+        g = self._groups[dp]
+        if g.lost_node is not None:
+            lost, g.lost_node = g.lost_node, None
+            if not await ranks.node_gone(lost):
+                log.warning("dp group %d: node %s still counts as alive; restarting anyway", dp, lost[:12])
+        taken = [other.node for i, other in enumerate(self._groups) if i != dp and not other.stays_down]
+        g.node = ranks.spread_target(self.config, self._device, taken)
+        first = self._loop_task is None
+        launched = await ranks.launch_group(self.config, dp, self._device, self._dtype, g.node,
+                                            ranks.SETUP_TIMEOUT_S if first else None,
+                                            lambda on: setattr(g, "pending", on))
+        g.node = launched.infos[0]["node_id"]
+        return launched
 
     def _stop(self, workers: list, pgs: list) -> None:
         ranks.stop(workers, pgs)

@@ -2,7 +2,13 @@
 
 A dp group is the unit that starts, rendezvous, stops and restarts together: its tp ranks are packed on one
 node (`STRICT_PACK`), the tp rendezvous runs on tp rank 0's address, and what one group does never waits for
-another's. A restarted group gets a new placement group and new actors (new incarnations): Ray's own actor
+another's. Groups spread over nodes: each group's placement group has a soft target node (Ray's
+`_soft_target_node_id`, STRICT_PACK only), the node that fits a whole group and holds the fewest of this
+engine's groups (`spread_target`). Soft, so a group still starts when that node is full: Ray places it on any
+node with room. Not one placement group of dp x tp bundles with STRICT_SPREAD over groups: Ray has no
+"pack within, spread across" strategy, and a group must start, die and restart alone.
+
+A restarted group gets a new placement group and new actors (new incarnations): Ray's own actor
 restart (`max_restarts`) cannot help, because a restarted rank would come back without its tp group and
 without the model, and its peers would still hold the dead rendezvous.
 """
@@ -29,6 +35,8 @@ from workers.step import NewRequest, RankSpec, StepPlan, StepResult, Work
 log = logging.getLogger("kvfleet.engine")
 
 SETUP_TIMEOUT_S = 600.0
+NODE_VERDICT_S = 60.0  # Ray's GCS marks a lost node dead after its health checks fail (~15-30 s by default)
+PENDING_AFTER_S = 1.0  # a placement group not placed by then waits for resources: the group is pending
 BACKOFF_MAX_S = 30.0
 
 
@@ -73,17 +81,63 @@ def dtype_of(config: EngineConfig, device: str) -> str:
     return config.dtype if config.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
 
 
-async def start_group(config: EngineConfig, dp: int, device: str,
-                      dtype: str) -> tuple[Any, list[ray.actor.ActorHandle]]:
-    """The placement group and the (not yet set up) rank actors of dp group `dp`."""
+def bundle_of(config: EngineConfig, device: str) -> dict[str, float]:
+    return {"CPU": config.num_cpus_per_rank, **({"GPU": 1} if device == "cuda" else {})}
+
+
+def unreachable(error: BaseException) -> bool:
+    """A rank that could not be reached (its node may be lost), rather than one Ray knows is dead (killed)."""
+    return isinstance(error, ray.exceptions.ActorUnavailableError)
+
+
+async def node_gone(node_id: str, timeout_s: float = NODE_VERDICT_S) -> bool:
+    """Until Ray's GCS has marked `node_id` dead (its raylet missed its health checks), at most `timeout_s`:
+    whether it did. A restart waits for this when its ranks were unreachable, since until then Ray still
+    places bundles on that node, and the new group would hang there in its setup."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes()):
+        if asyncio.get_running_loop().time() >= deadline:
+            return False
+        await asyncio.sleep(0.5)  # poll interval: Ray has no awaitable node-death event
+    return True
+
+
+def spread_target(config: EngineConfig, device: str, taken: list[str | None]) -> str | None:
+    """The node a new group should prefer: alive, whose resources hold a whole group (tp bundles), with the
+    fewest of `taken` (the nodes of this engine's other groups); ties to the node id, so a start is
+    repeatable. None when no node holds a group (Ray then keeps the placement group pending)."""
+    need = {k: v * config.tp for k, v in bundle_of(config, device).items()}
+    fits = [n["NodeID"] for n in ray.nodes()
+            if n["Alive"] and all(n["Resources"].get(k, 0) >= v for k, v in need.items())]
+    return min(fits, key=lambda n: (taken.count(n), n)) if fits else None
+
+
+async def start_group(config: EngineConfig, dp: int, device: str, dtype: str, target: str | None = None,
+                      wait_s: float | None = SETUP_TIMEOUT_S,
+                      pending: Any = None) -> tuple[Any, list[ray.actor.ActorHandle]]:
+    """The placement group (on `target` if it has room) and the (not yet set up) rank actors of dp group `dp`.
+    `wait_s`: how long its placement may wait for resources (None: as long as it takes); `pending(bool)` is
+    told while it waits."""
     s = config
-    bundle = {"CPU": s.num_cpus_per_rank, **({"GPU": 1} if device == "cuda" else {})}
-    pg = placement_group([bundle] * s.tp, strategy="STRICT_PACK", name=pg_name(s.engine_id, dp))
+    pg = placement_group([bundle_of(s, device)] * s.tp, strategy="STRICT_PACK", name=pg_name(s.engine_id, dp),
+                         _soft_target_node_id=target)
     try:
-        await asyncio.wait_for(pg.ready(), SETUP_TIMEOUT_S)
+        ready = asyncio.ensure_future(pg.ready())
+        ready.add_done_callback(lambda f: f.cancelled() or f.exception())  # a removed group's error is seen
+        try:
+            await asyncio.wait_for(asyncio.shield(ready), PENDING_AFTER_S)
+        except TimeoutError:  # no room now: pending until a node with room joins (or frees it)
+            if pending is not None:
+                pending(True)
+            log.warning("dp group %d: waiting for resources to place its %d ranks (%s each)", dp, s.tp,
+                        bundle_of(s, device))
+            await asyncio.wait_for(ready, wait_s)
     except BaseException:  # not placed in time, or the launch was cancelled: the pending group must not stay
         stop([], [pg])
         raise
+    finally:
+        if pending is not None:
+            pending(False)
     from workers.worker import RankWorker  # torch: ray.remote needs the class, so only where ranks start
 
     actor_cls = ray.remote(RankWorker)
@@ -109,9 +163,10 @@ async def setup_group(workers: list[ray.actor.ActorHandle]) -> list[dict[str, An
     return await asyncio.wait_for(asyncio.gather(*setups), SETUP_TIMEOUT_S)
 
 
-async def launch_group(config: EngineConfig, dp: int, device: str, dtype: str) -> Launched:
-    """Start dp group `dp` and set it up; on any failure, what was started is removed again."""
-    pg, workers = await start_group(config, dp, device, dtype)
+async def launch_group(config: EngineConfig, dp: int, device: str, dtype: str, target: str | None = None,
+                       wait_s: float | None = SETUP_TIMEOUT_S, pending: Any = None) -> Launched:
+    """Start dp group `dp` (`start_group`) and set it up; on any failure, what was started is removed again."""
+    pg, workers = await start_group(config, dp, device, dtype, target, wait_s, pending)
     try:
         infos = await setup_group(workers)
     except BaseException:

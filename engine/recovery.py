@@ -106,6 +106,9 @@ class GroupRecovery:
             return
         g.down = f"rank {failure.rank} is gone ({type(failure.error).__name__})"
         g.failures += 1
+        # unreachable, not known dead: its node may be lost, and until Ray marks the node dead it would place
+        # the group's new ranks there again (engine/ranks.py node_gone)
+        g.lost_node = g.node if ranks.unreachable(failure.error) else None
         self.router.drop_group(dp)  # its cache is gone: the KV index forgets it
         moved = list(g.running) + list(g.waiting)
         g.waiting.clear()

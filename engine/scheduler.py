@@ -74,6 +74,9 @@ class Group:
     failures: int = 0  # deaths and failed restarts since it last ran a request
     stays_down: bool = False  # failed too often in a row: not restarted again
     restarts: int = 0
+    node: str | None = None  # the Ray node its ranks are on (or the one its placement targets)
+    lost_node: str | None = None  # the node its ranks were unreachable on: a restart waits for Ray's verdict
+    pending: bool = False  # its restart waits for resources to place its ranks (no node has room)
     admitted: list = field(default_factory=list)  # queue times (s) of the requests its last plan admitted
 
     @property
@@ -82,7 +85,7 @@ class Group:
 
     def health(self, restarting: bool) -> dict[str, Any]:
         return {"up": self.down is None, "down": self.down, "failures": self.failures, "restarts": self.restarts,
-                "restarting": restarting, "stays_down": self.stays_down}
+                "restarting": restarting, "stays_down": self.stays_down, "pending": self.pending, "node_id": self.node}
 
     def finish(self, req: Request) -> None:
         """A request is done (finished or failed): off the group, closed on its ranks next step."""

@@ -28,6 +28,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not cuda:
             item.add_marker(skip_gpu)
+    # A multi-node test starts its own ray.cluster_utils.Cluster and connects this process to it; Ray allows one
+    # ray.init per process, and the session `ray_cluster` below stays up until the session ends. So the
+    # multi-node tests run in a pytest process of their own (`pytest -m multinode`; the Makefile's `test` runs
+    # two processes), and are skipped in one that also runs tests on the session cluster.
+    shared = any("ray_cluster" in getattr(item, "fixturenames", ()) for item in items)
+    if shared:
+        skip_mn = pytest.mark.skip(reason="multi-node tests need a pytest process of their own: pytest -m multinode")
+        for item in items:
+            if "multinode" in item.keywords:
+                item.add_marker(skip_mn)
 
 
 @pytest.fixture(scope="session")

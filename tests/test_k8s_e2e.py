@@ -82,6 +82,12 @@ def ray_start_args(params: dict[str, str], overrides: dict[str, str]) -> list[st
     return [f"--{k}={v}" for k, v in merged.items()]
 
 
+def group_resources(group: dict) -> dict[str, float]:
+    """The custom resources a group's rayStartParams advertise (KubeRay passes the quoted JSON to --resources)."""
+    raw = group["rayStartParams"].get("resources")
+    return json.loads(json.loads(raw)) if raw else {}
+
+
 def node_ports() -> dict[str, str]:
     """Every port a Ray node opens, chosen free, so two nodes (and other clusters) share this host."""
     names = ("node-manager-port", "object-manager-port", "metrics-export-port", "runtime-env-agent-port",
@@ -195,7 +201,9 @@ def two_node_cluster(tmp_path: Path) -> Iterator[dict[str, Any]]:
 
         worker_args = ray_start_args(worker_group["rayStartParams"], {
             **node_ports(), "address": f"127.0.0.1:{gcs_port}", "num-cpus": str(WORKER_CPUS), "num-gpus": "0",
-            "object-store-memory": str(100 << 20), "resources": json.dumps({"worker_node": 1}),
+            "object-store-memory": str(100 << 20),
+            # the group's own resources (kvfleet_control: the replicas and the aggregator go there), and a marker
+            "resources": json.dumps({**group_resources(worker_group), "worker_node": 1}),
         })
         nodes.append(LocalRayNode("worker", worker_args, temp_root, tmp_path, node_env))
 

@@ -8,6 +8,7 @@ the app today, and the Grafana dashboard against the metric names the aggregator
 
 import copy
 import functools
+import json
 import re
 import subprocess
 import sys
@@ -304,6 +305,22 @@ def test_serve_env_vars_are_valid_settings_sized_to_the_gpus():
     assert settings.dp * settings.tp * settings.num_cpus_per_rank + sum(cpus) <= worker_cpus
 
 
+def control_resource(group: dict[str, Any]) -> float:
+    """The kvfleet_control a group's `ray start` advertises (KubeRay passes the quoted JSON to --resources)."""
+    raw = group["rayStartParams"].get("resources")
+    return json.loads(json.loads(raw)).get("kvfleet_control", 0) if raw else 0
+
+
+def test_the_replicas_and_the_aggregator_are_placed_on_the_group_that_advertises_their_resource():
+    env = kvfleet_env(serve_config())
+    assert env["KVFLEET_INGRESS_RESOURCE"] == env["KVFLEET_ENGINE_RESOURCE"] == "kvfleet_control"
+    for d in serve_config()["applications"][0]["deployments"]:
+        assert d["ray_actor_options"]["resources"] == {"kvfleet_control": 0.001}, d["name"]
+    for name, spec in cluster_specs():
+        assert control_resource(spec["headGroupSpec"]) == 0, name  # a head restart must not take them
+        assert [control_resource(g) > 0 for g in spec["workerGroupSpecs"]] == [True], name
+
+
 def test_raycluster_env_matches_the_rayservice_settings():
     """The interactive cluster runs the same engine: its containers' KVFLEET_* env is the RayService's."""
     (_, cluster), = docs_of_kind("RayCluster")
@@ -334,9 +351,11 @@ def serve_build_config(tmp_path: Path) -> dict[str, Any]:
 
 
 # The manifest's only deliberate departures from `serve build`: the engine's and the ingress replica reserve a
-# CPU each, so they run on the GPU worker (the head offers no CPUs) rather than anywhere a 0-CPU actor fits.
-MANIFEST_DEPLOYMENT_OVERRIDES = {"KVFleetEngine": {"ray_actor_options": {"num_cpus": 1}},
-                                 "KVFleetIngress": {"ray_actor_options": {"num_cpus": 1}}}
+# CPU each and a sliver of kvfleet_control, so they run on the GPU worker that advertises it (the head offers
+# neither) rather than anywhere a 0-CPU actor fits.
+CONTROL = {"num_cpus": 1, "resources": {"kvfleet_control": 0.001}}  # KVFLEET_*_RESOURCE asks the same
+MANIFEST_DEPLOYMENT_OVERRIDES = {"KVFleetEngine": {"ray_actor_options": CONTROL},
+                                 "KVFleetIngress": {"ray_actor_options": CONTROL}}
 
 
 def with_overrides(app: dict[str, Any]) -> dict[str, Any]:

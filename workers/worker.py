@@ -50,7 +50,8 @@ def layout_of(kv: KVCacheManager, spec: RankSpec, incarnation: str) -> RankLayou
         spec.rank, spec.dp_rank, spec.tp_rank, incarnation,
         life_cycles=tuple((lc.id, lc.pool_group, lc.window_key, lc.kind) for lc in kv.life_cycles),
         pool_groups=tuple((pg.id, pg.slot_bytes, tuple(pg.window_keys)) for pg in kv.pool_groups),
-        max_num_blocks=kv.get_kv_cache_stats().max_num_blocks, tokens_per_block=kv.tokens_per_block)
+        max_num_blocks=kv.get_kv_cache_stats().max_num_blocks, tokens_per_block=kv.tokens_per_block,
+        node_id=ray.get_runtime_context().get_node_id(), node_ip=node_ip())
 
 
 class _Req:
