@@ -133,12 +133,24 @@ async def follow(url: str, stop: asyncio.Event, records: dict, cumulative: list)
             await asyncio.sleep(0.25)  # poll interval
 
 
-async def served_again(http: httpx.AsyncClient) -> bool:
-    """Every group up and a short request served."""
+async def restarts(http: httpx.AsyncClient) -> int:
+    """The engine's group restarts so far (0 while /health does not answer)."""
+    try:
+        h = await http.get("/health")
+        return sum(g["restarts"] for g in h.json()["engine"]["groups"].values()) if h.status_code == 200 else 0
+    except (httpx.HTTPError, ValueError, KeyError):
+        return 0
+
+
+async def served_again(http: httpx.AsyncClient, min_restarts: int = 0) -> bool:
+    """Every group up (after at least `min_restarts` group restarts: a rank or node fault is over only once
+    its group came back, not while the engine has yet to step it) and a short request served."""
     try:
         h = await http.get("/health")
         groups = h.json().get("engine", {}).get("groups", {}) if h.status_code == 200 else {}
         if not groups or not all(g["up"] for g in groups.values()):
+            return False
+        if sum(g["restarts"] for g in groups.values()) < min_restarts:
             return False
         r = await http.post("/v1/completions", json={"prompt": "probe", "max_tokens": 2})
         return r.status_code == 200
@@ -177,10 +189,11 @@ async def chaos(mn: mns.MultiNode, args: argparse.Namespace, stop: asyncio.Event
             if next_at + args.fault_every / 2 > t0 + args.duration:
                 break
             await asyncio.sleep(max(0.0, next_at - time.monotonic()))  # the fault schedule
+            before = await restarts(http) + 1 if kind in ("rank", "node") else 0
             t_fault, t_wall = time.monotonic(), time.time()
             what = await asyncio.to_thread(inject, kind, mn, args.engine_id, args.node_cpus, rng)
             await asyncio.sleep(0.5)  # let the fault land before asking whether it is over
-            while not await served_again(http):
+            while not await served_again(http, before):
                 if time.monotonic() - t_fault > RECOVERY_S:
                     break
                 await asyncio.sleep(0.2)  # poll interval
@@ -200,12 +213,15 @@ class RSS:
         self.last: dict[int, tuple[str, int]] = {}
 
     @staticmethod
-    def sample() -> dict[int, tuple[str, int]]:
+    def sample(settled_s: float = 0.0) -> dict[int, tuple[str, int]]:
+        """RSS by pid; with `settled_s`, only processes at least that old (a worker process Ray is still
+        starting, or one just made an actor, is not yet what it will be)."""
         out = {}
         for p in psutil.Process(os.getpid()).children(recursive=True):
             try:
-                title = f"{p.name()} (pid {p.pid})"
-                out[p.pid] = (title, p.memory_info().rss)
+                if time.time() - p.create_time() < settled_s:
+                    continue
+                out[p.pid] = (f"{p.name()} (pid {p.pid})", p.memory_info().rss)
             except psutil.Error:
                 continue
         return out
@@ -219,7 +235,7 @@ async def rss_watch(rss: RSS, stop: asyncio.Event, at_s: float) -> None:
     try:
         await asyncio.wait_for(stop.wait(), at_s)
     except TimeoutError:
-        rss.first = await asyncio.to_thread(RSS.sample)
+        rss.first = await asyncio.to_thread(RSS.sample, 30.0)
     await stop.wait()
     rss.last = await asyncio.to_thread(RSS.sample)
 
@@ -261,18 +277,25 @@ async def run(mn: mns.MultiNode, args: argparse.Namespace) -> None:
         start_cum = (await http.get("/kv_cache_stats")).json()
     stop, records, cumulative, faults, tally, rss = asyncio.Event(), {}, [], [], Tally(), RSS()
     t0 = time.monotonic()
-    follower = asyncio.ensure_future(follow(url, stop, records, cumulative))
+    read_all = asyncio.Event()  # set once the end is read: the follower then reads on until nothing is new
+    follower = asyncio.ensure_future(follow(url, read_all, records, cumulative))
     watcher = asyncio.ensure_future(rss_watch(rss, stop, min(args.rss_from, args.duration / 3)))
-    await asyncio.gather(traffic(url, stop, args.clients, args.max_tokens, tally, t0),
-                         chaos(mn, args, stop, faults, t0))
+    traffic_done = asyncio.Event()
+    await asyncio.gather(traffic(url, traffic_done, args.clients, args.max_tokens, tally, t0),
+                         chaos(mn, args, traffic_done, faults, t0))
     took = time.monotonic() - t0
+    stop.set()  # the RSS watcher's end
     await watcher
     async with httpx.AsyncClient(base_url=url, timeout=30) as http:
         while not await served_again(http):
             await asyncio.sleep(0.5)  # poll interval: the last fault may still be recovering
-        await asyncio.sleep(3.0)  # the last iterations reach the aggregator and the mirror (then read below)
+        await asyncio.sleep(3.0)  # the last iterations (the probes' too) reach the aggregator and the mirror
         end_cum = (await http.get("/kv_cache_stats")).json()
+    read_all.set()
     await follower
+    newest = records[max(records)]["kvCacheStats"] if records else end_cum
+    if any(newest[k] != end_cum[k] for k in COUNTERS.values()):
+        print(f"note: the newest record read is behind /kv_cache_stats: {newest} vs {end_cum}")
     iters = sorted(records)
     gaps = sum(b - a - 1 for a, b in zip(iters, iters[1:], strict=False) if b != a + 1)
     lost = conservation([records[i] for i in iters], start_cum, end_cum)
