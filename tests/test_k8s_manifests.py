@@ -295,7 +295,12 @@ def test_serve_env_vars_are_valid_settings_sized_to_the_gpus():
     assert settings.device == "cuda"
     gpus = sum(g["replicas"] * gpu_count(g["template"]["spec"]["containers"][0])
                for g in rayservice()["spec"]["rayClusterConfig"]["workerGroupSpecs"])
-    assert settings.dp * settings.tp == gpus, "one rank per GPU"
+    assert settings.engine_replicas * settings.dp * settings.tp == gpus, "one rank per GPU"
+    # a Serve config's num_replicas overrides the code's: the engine ids (and the fleet's router) follow
+    # KVFLEET_ENGINE_REPLICAS, so the two must say the same
+    (app,) = serve_config()["applications"]
+    engine = next(d for d in app["deployments"] if d["name"] == "KVFleetEngine")
+    assert engine["num_replicas"] == settings.engine_replicas
     worker = rayservice()["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
     worker_cpus = int(worker["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"])
     deployments = serve_config()["applications"][0]["deployments"]
