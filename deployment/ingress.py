@@ -364,9 +364,9 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
 
 def actor_options(resource: str) -> dict[str, Any]:
     """A replica's actor options: no CPU, and a sliver of `resource` when one is set, so Serve places (and
-    replaces) it only on the nodes that advertise it: the head on KubeRay, whose loss is the cluster's anyway.
-    Serve's own placement knobs do not fit: `placement_group_strategy` is per replica, and node affinity would
-    name a node id that a new head no longer has."""
+    replaces) it only on the nodes that advertise it (on KubeRay a worker group's, never the head's:
+    k8s/README.md, "Across several nodes"). Serve's own placement knobs do not fit: `placement_group_strategy`
+    is per replica, and node affinity would name a node id that a new node no longer has."""
     from aggregator.actor import SLIVER
 
     return {"num_cpus": NUM_CPUS, **({"resources": {resource: SLIVER}} if resource else {})}
