@@ -117,7 +117,7 @@ async def run_setup(n: int, name: str, extra: dict, requests: list[tuple[int, st
 async def main(args: argparse.Namespace) -> None:
     from ray import serve
 
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     requests = workload(args.requests, args.tenants, args.salted)
     rows = [await run_setup(n, name, extra, requests, args.blocks) for n, (name, extra) in enumerate(SETUPS.items())]
