@@ -177,19 +177,13 @@ class StatsAggregatorImpl:
             chunk = iterations[start:start + TAIL_RECORDS]
             records = self.asm.ingest(chunk)
             if records:
-                self._save_tail(records)  # before the state: what the state covers is always restorable
-                self._count(records, chunk)
-                self._save_state()
-                # only now seen by readers: a record a reader (an ingress's mirror) holds is always one a restart
-                # restores, so after a restart its history continues (and the cumulative never goes backwards)
                 self._reported_stats = records[-1]["kvCacheStats"]
-                for rec in records:
-                    self.buffer.append(rec)
-                self._changes.notify()
+                self._save_tail(records)  # before the state: what the state covers is always restorable
+                self._publish(records, chunk)
+                self._save_state()
         return self._reply()
 
-    def _count(self, records: list[dict[str, Any]], iterations: list[Iteration]) -> None:
-        """The new records into the totals, vLLM's families and the per-rank detail (checkpointed next)."""
+    def _publish(self, records: list[dict[str, Any]], iterations: list[Iteration]) -> None:
         deltas = {it.iteration: it.deltas for it in iterations}
         by_iter = {it.iteration: it for it in iterations}
         for rec in records:
@@ -215,6 +209,8 @@ class StatsAggregatorImpl:
                     self.routing[k] += routing.get(k, 0)
                 for dp, n in enumerate(routing.get("perGroupRequests", ())):
                     self.routed_per_group[str(dp)] = self.routed_per_group.get(str(dp), 0) + n
+            self.buffer.append(rec)
+        self._changes.notify()
 
     # ---------------------------------------------------------------- readers
 

@@ -91,7 +91,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=float, default=5.0)
     args = ap.parse_args()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     print(f"{'ranks':>5} {'paced it/s':>10} {'lag p50 ms':>10} {'lag p99 ms':>10} {'max it/s':>9} "
           f"{'us/rank':>8} {'ceiling it/s':>12} {'max/ceiling':>11}")
     for ranks in (8, 64, 256):

@@ -270,7 +270,7 @@ def _start_serve() -> str:
     sys.path.insert(0, "tests")
     from e2e_fixtures import free_port
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     return f"http://127.0.0.1:{port}"

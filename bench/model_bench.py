@@ -161,5 +161,5 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     asyncio.run(main())

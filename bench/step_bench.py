@@ -169,5 +169,5 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     asyncio.run(main())

@@ -47,7 +47,10 @@ def ray_cluster():
 
     if not ray.is_initialized():
         ray.init(
-            address="local",  # a cluster of its own, never one already running here (`ray start`, a Cluster)
+            # always a cluster of its own: without an address ray.init() joins the cluster named in
+            # /tmp/ray/ray_current_cluster, which a multi-node cluster (tests/multinode_support.py, the chaos soak)
+            # on this machine writes
+            address="local",
             num_cpus=8,
             include_dashboard=False,
             log_to_driver=False,
