@@ -22,6 +22,7 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+@pytest.hookimpl(trylast=True)  # after `-m` has deselected: only the tests that will run decide the skip
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     cuda = _has_cuda()

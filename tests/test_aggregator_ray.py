@@ -26,6 +26,9 @@ def test_aggregator_killed_mid_stream_loses_and_doubles_nothing(ray_cluster):
         for i in range(60):
             channel.put(cluster.iteration(i))
             if i == 30:
+                # some of epoch 1 emitted first (a loaded machine may not have got that far by iteration 30)
+                while (await agg.health.remote())["last_iter"] in (None, *range(10)):
+                    await asyncio.sleep(0.01)  # poll interval
                 ray.kill(agg, no_restart=False)  # mid-stream, calls in flight
             await asyncio.sleep(0.002)
         await asyncio.wait_for(channel.drained(), 60)
