@@ -140,7 +140,11 @@ def test_groups_wait_pending_while_no_node_has_room_and_come_back_when_one_joins
         def one_back() -> dict | None:
             h = mns.health(mn.url)
             groups = h.get("engine", {}).get("groups", {})
-            return groups if h["code"] == 200 and any(not g["up"] for g in groups.values()) else None
+            up = [g for g in groups.values() if g["up"]]
+            down = [g for g in groups.values() if not g["up"]]
+            # one back on c, the other pending: right after the loss both are down and neither pending yet
+            # (a restart first waits for the GCS to mark the node dead)
+            return groups if h["code"] == 200 and len(up) == 1 and len(down) == 1 and down[0]["pending"] else None
 
         seen.update(mns.until("one group back, one still down", one_back, RECOVERY_S))
 
