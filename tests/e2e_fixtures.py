@@ -149,3 +149,25 @@ def summed_counters(records: list[dict], counters: dict[str, str]) -> dict[str, 
             for it, cum in counters.items():
                 out[cum] += bucket.get(it, 0)
     return out
+
+
+def completion_text(url: str, body: dict, stream: bool, started=None, timeout: float = 120) -> str:
+    """A completion's text, streamed or not (asserting 200 and no in-band error); `started` (a
+    threading.Event) is set at the first streamed text chunk."""
+    import json
+
+    if not stream:
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=timeout)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+    parts = []
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=timeout) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                parts.append(chunk["choices"][0]["text"])
+                if started is not None:
+                    started.set()
+    return "".join(parts)

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from deployment.client import StatsClient
-from tests.e2e_fixtures import module_app, summed_counters
+from tests.e2e_fixtures import completion_text, module_app, summed_counters
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e, pytest.mark.slow]
 
@@ -46,15 +46,7 @@ def test_every_engine_serves_and_is_conserved(app):
             with cf.ThreadPoolExecutor(8) as pool:
                 list(pool.map(lambda i: _complete(app, i), range(served, served + 8)))
             served += 8
-        # the requests are done: once each engine's cumulative stats are its newest record's, every record
-        # has been mirrored (the mirror serves kv_cache_stats from its newest record)
-        while True:
-            fleet = c.kv_cache_stats()
-            per = {e: _all(c, e) for e in ENGINES}
-            if all(per[e] and per[e][-1]["kvCacheStats"] == fleet["engines"][e] for e in ENGINES):
-                break
-            assert time.monotonic() < deadline, "the mirrors never caught up"
-            time.sleep(0.2)  # poll interval
+        fleet, per = _mirrored(c, deadline)
         for e in ENGINES:
             assert {r["engineId"] for r in per[e]} == {e}
             assert [r["iter"] for r in per[e]] == list(range(per[e][0]["iter"], per[e][-1]["iter"] + 1))
@@ -69,6 +61,18 @@ def test_every_engine_serves_and_is_conserved(app):
         for e in ENGINES:
             assert f'kvfleet_kv_cache_alloc_total_blocks_total{{engine="{e}"}}' in text
         assert "kvfleet_fleet_kv_cache_alloc_total_blocks_total" in text
+
+
+def _mirrored(c: StatsClient, deadline: float) -> tuple[dict, dict[str, list[dict]]]:
+    """(/kv_cache_stats, each engine's records) once every record is mirrored: the requests are done when each
+    engine's cumulative stats are its newest record's (the mirror serves kv_cache_stats from its newest)."""
+    while True:
+        fleet = c.kv_cache_stats()
+        per = {e: _all(c, e) for e in ENGINES}
+        if all(per[e] and per[e][-1]["kvCacheStats"] == fleet["engines"][e] for e in ENGINES):
+            return fleet, per
+        assert time.monotonic() < deadline, "the mirrors never caught up"
+        time.sleep(0.2)  # poll interval
 
 
 def _all(c: StatsClient, engine: str) -> list[dict]:
@@ -128,7 +132,6 @@ def test_kv_routing_sends_a_shared_prefix_to_the_replica_holding_it(app):
 
 
 def test_a_replica_killed_under_streaming_traffic_loses_no_request_and_the_fleet_is_conserved(app):
-    import json
     import threading
 
     import ray
@@ -137,22 +140,7 @@ def test_a_replica_killed_under_streaming_traffic_loses_no_request_and_the_fleet
     body = {"max_tokens": 120, "temperature": 0, "ignore_eos": True}
 
     def complete(prompt: str, stream: bool, started: threading.Event | None = None) -> str:
-        if not stream:
-            r = httpx.post(f"{app}/v1/completions", json={**body, "prompt": prompt}, timeout=240)
-            assert r.status_code == 200, r.text
-            return r.json()["choices"][0]["text"]
-        parts = []
-        with httpx.stream("POST", f"{app}/v1/completions", json={**body, "prompt": prompt, "stream": True},
-                          timeout=240) as r:
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    chunk = json.loads(line[6:])
-                    assert "error" not in chunk, chunk
-                    parts.append(chunk["choices"][0]["text"])
-                    if started is not None:
-                        started.set()
-        return "".join(parts)
+        return completion_text(app, {**body, "prompt": prompt}, stream, started, timeout=240)
 
     expected = {p: complete(p, False) for p in prompts}
     with StatsClient(app) as c:
@@ -183,13 +171,7 @@ def test_a_replica_killed_under_streaming_traffic_loses_no_request_and_the_fleet
         for e in ENGINES:
             for k in ("allocTotalBlocks", "reusedBlocks", "missedBlocks"):
                 assert after["engines"][e][k] >= before["engines"][e][k], (e, k)  # never backwards
-        while True:  # conserved per engine once every record is mirrored (as in the first test)
-            fleet = c.kv_cache_stats()
-            per = {e: _all(c, e) for e in ENGINES}
-            if all(per[e] and per[e][-1]["kvCacheStats"] == fleet["engines"][e] for e in ENGINES):
-                break
-            assert time.monotonic() < deadline, "the mirrors never caught up"
-            time.sleep(0.2)  # poll interval
+        fleet, per = _mirrored(c, deadline)  # conserved per engine once every record is mirrored
         for e in ENGINES:
             summed = _summed(per[e])
             assert summed == {k: fleet["engines"][e][k] for k in summed}, e

@@ -4,7 +4,6 @@ ingress) and killed idle, an ingress replica killed, and a graceful shutdown tha
 group behind. Ordered: the last test deletes the app."""
 
 import concurrent.futures as cf
-import json
 import threading
 import time
 
@@ -12,7 +11,7 @@ import httpx
 import pytest
 import ray
 
-from tests.e2e_fixtures import module_app
+from tests.e2e_fixtures import completion_text, module_app
 from tests.http_support import all_stats
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e, pytest.mark.slow]
@@ -43,22 +42,7 @@ def _kill(prefix: str) -> str:
 
 def _complete(url: str, prompt: str, stream: bool, started: threading.Event | None = None, **extra) -> str:
     """The completion's text; `started` is set at its first streamed text chunk."""
-    body = {**BODY, **extra, "prompt": prompt, "stream": stream}
-    if not stream:
-        r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
-        assert r.status_code == 200, r.text
-        return r.json()["choices"][0]["text"]
-    parts = []
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunk = json.loads(line[6:])
-                assert "error" not in chunk, chunk
-                parts.append(chunk["choices"][0]["text"])
-                if started is not None:
-                    started.set()
-    return "".join(parts)
+    return completion_text(url, {**BODY, **extra, "prompt": prompt}, stream, started)
 
 
 def _until(what: str, cond, timeout_s: float = RECOVERY_S):
