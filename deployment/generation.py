@@ -9,6 +9,7 @@ length, vocabulary); this module only maps its errors to HTTP.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -18,11 +19,12 @@ from typing import Any, Literal, Protocol
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from deployment import protocol
+from deployment import protocol, resume
 from deployment.detokenize import TextStream
 from deployment.errors import APIError, engine_error, error_body
+from deployment.resend import with_seed
 from deployment.settings import Settings
-from deployment.sse import SSE_EVENT, SSE_HEADERS
+from deployment.sse import SSE_EVENT, SSE_HEADERS, format_event, last_event_id
 from engine.errors import RequestError
 
 logger = logging.getLogger("kvfleet.deployment")
@@ -156,33 +158,65 @@ class _Generation:
         params = await self._params(req, ids)
         rid = protocol.new_id("cmpl" if kind == "text_completion" else "chatcmpl")
         created = int(time.time())
+        pos = self._position(request, req, kind, ids, params, rid, created)
         usage = [len(ids), 0]  # prompt, completion tokens
-        events = await _admitted(self.engine.generate(rid, ids, params, req.cache_salt))
+        seeded = dataclasses.replace(params, seed=pos.seed)
+        events = await _admitted(self.engine.generate(rid, ids, seeded, req.cache_salt))
         text = self._text(rid, events, req.stop_strings, usage)
         if req.stream:
-            chunks = self._chunks(kind, rid, created, text, usage, req.include_usage)
-            return StreamingResponse(_in_band_errors(chunks), media_type="text/event-stream", headers=SSE_HEADERS)
+            chunks = self._chunks(kind, pos.rid, pos.created, text, usage, req.include_usage)
+            return StreamingResponse(_in_band_errors(_numbered(chunks, pos)), media_type="text/event-stream",
+                                     headers=SSE_HEADERS)
         build = protocol.completion_response if kind == "text_completion" else protocol.chat_response
         return await _unless_disconnected(request, _collect(text), lambda t, f: build(
             rid, self.model, t, f, protocol.usage(*usage), created))
 
+    @staticmethod
+    def _position(request: Request, req: protocol.CompletionRequest | protocol.ChatCompletionRequest, kind: str,
+                  ids: list[int], params: Any, rid: str, created: int) -> resume.StreamPosition:
+        """A new response's position (its seed picked here, so its event ids can name it), or the one a
+        `Last-Event-ID` resumes (deployment/resume.py)."""
+        extra = (tuple(req.stop_strings), req.include_usage)
+        cut = last_event_id(request.headers)
+        if cut is None:
+            params = with_seed(params)
+            return resume.StreamPosition(rid, created, params.seed, resume.request_digest(kind, ids, params, extra))
+        if not req.stream:
+            raise APIError(400, "Last-Event-ID resumes a streamed completion: send it with stream=true",
+                           code="invalid_last_event_id", param="Last-Event-ID")
+        pos = resume.parse(cut, kind)
+        if resume.request_digest(kind, ids, resume.resumed_params(pos, params), extra) != pos.digest:
+            raise APIError(400, "Last-Event-ID names a stream of another request: resume with its body unchanged",
+                           code="invalid_last_event_id", param="Last-Event-ID")
+        return pos
+
     async def _chunks(self, kind: str, rid: str, created: int, text: AsyncIterator[tuple[str, str | None]],
-                      usage: list[int], include_usage: bool) -> AsyncIterator[str]:
+                      usage: list[int], include_usage: bool) -> AsyncIterator[dict]:
         m = self.model
         if kind == "chat.completion":
-            yield _sse(protocol.chat_chunk(rid, m, created, {"role": "assistant", "content": ""}, None))
+            yield protocol.chat_chunk(rid, m, created, {"role": "assistant", "content": ""}, None)
         async for delta, finish in text:
             if kind == "text_completion":
                 if delta or finish:
-                    yield _sse(protocol.completion_chunk(rid, m, created, delta, finish))
+                    yield protocol.completion_chunk(rid, m, created, delta, finish)
                 continue
             if delta:
-                yield _sse(protocol.chat_chunk(rid, m, created, {"content": delta}, None))
+                yield protocol.chat_chunk(rid, m, created, {"content": delta}, None)
             if finish:
-                yield _sse(protocol.chat_chunk(rid, m, created, {}, finish))
+                yield protocol.chat_chunk(rid, m, created, {}, finish)
         if include_usage:
             obj = "text_completion" if kind == "text_completion" else "chat.completion.chunk"
-            yield _sse(protocol.usage_chunk(rid, m, created, obj, protocol.usage(*usage)))
+            yield protocol.usage_chunk(rid, m, created, obj, protocol.usage(*usage))
+
+
+async def _numbered(chunks: AsyncIterator[dict], pos: resume.StreamPosition) -> AsyncIterator[str]:
+    """The chunks as SSE events with their ids; a resumed stream sends only those after the client's last. The
+    chunks before it are made again, not sent: they are the same, since the tokens and the text are."""
+    n = -1
+    async for chunk in chunks:
+        n += 1
+        if n > pos.chunk:
+            yield format_event(json.dumps(chunk, separators=(",", ":")), id=pos.event_id(n))
 
 
 async def _collect(text: AsyncIterator[tuple[str, str | None]]) -> tuple[str, str]:

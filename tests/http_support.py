@@ -47,6 +47,7 @@ class FakeEngine:
         self.validated = 0
         self.on_finish = lambda: None  # the fixture wires this to FakeStats, like ranks reporting a step
         self.salts: list = []  # the cache_salt of every request, in order
+        self.seeds: list = []  # the sampling seed of every request, in order
         # the engine's real KV event stream over a fake index (dp 0 holds block 7 on the GPU)
         self.kv_stream = KVEventStream(4, 16, types.SimpleNamespace(blocks=[{7: 0}, {}]), buffer_always=True)
 
@@ -67,6 +68,7 @@ class FakeEngine:
     async def generate(self, request_id: str, ids: list[int], params, cache_salt=None):
         self.started.append(request_id)
         self.salts.append(cache_salt)
+        self.seeds.append(params.seed)
         prompt = self.tokenizer.decode(ids)
         reply = list(REPLY.encode())
         done = False
