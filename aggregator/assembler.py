@@ -7,9 +7,15 @@ nothing is counted twice. A restarted aggregator restores `checkpoint()`: it con
 iteration its predecessor checkpointed, and the engine re-sends everything after that. No delta can arrive
 after its iteration was emitted, so `lateDeltas` is always 0 here; the field stays for readers' schemas.
 
-Cluster cumulative `kvCacheStats`: the counters are the sum, over every dp group's tp rank 0, of the latest
-snapshot of each incarnation the rank ever had (a restarted rank starts at zero; its earlier incarnations
-stay banked), floored so they never go backwards; the gauges are the live incarnations' latest.
+Cluster cumulative `kvCacheStats`: each record adds, per dp group, how far the cumulative counters of the
+group's reference rank grew since that rank incarnation's own previous delta (from zero for a new incarnation:
+a restarted rank starts at zero, and what its earlier incarnations counted stays in the total), floored so they
+never go backwards; the gauges are the reference ranks' latest. The reference rank is the one whose block
+counters the merge takes (aggregator/merge.py): the lowest tp rank present, tp rank 0 on a healthy cluster. It
+must be the same rank: when tp rank 0 is killed mid-step and its tp peer still answers, the record's block
+counters are the peer's, and a cumulative that followed tp rank 0 alone would never count them (the dead
+incarnation reports no more, the new one starts at zero), so the cluster cumulative grew less than the record's
+counters (the chaos soak's iteration 14655, 20 blocks). Every rank's last snapshot is kept for that.
 """
 
 from __future__ import annotations
@@ -45,33 +51,36 @@ def iso_timestamp(t: float) -> str:
 
 
 class Cumulative:
-    """The cluster's cumulative kvCacheStats over every incarnation of every dp group's tp rank 0."""
+    """The cluster's cumulative kvCacheStats: the growth of every dp group's reference rank, summed."""
 
     def __init__(self) -> None:
-        self.banked: dict[tuple[int, str], list[int]] = {}  # (rank, incarnation) -> latest counters
-        self.gauges: dict[int, list[int]] = {}  # rank -> its live incarnation's latest gauges
+        # (rank, incarnation) -> the counters of its latest delta, every tp rank's (any may become a reference)
+        self.last: dict[tuple[int, str], list[int]] = {}
+        self.total = [0] * len(_COUNTERS)
+        self.gauges: dict[int, list[int]] = {}  # a dp group's tp rank 0 -> the group's latest gauges
         self.floor = [0] * len(_COUNTERS)
         self.tokens_per_block = 0
 
     def seed(self, layout: RankLayout) -> None:
         """A new incarnation's empty cache, from its registered capacity: known before its first delta."""
-        if layout.tp_rank != 0 or (layout.rank, layout.incarnation) in self.banked:
+        if layout.tp_rank != 0 or (layout.rank, layout.incarnation) in self.last:
             return
         self.gauges[layout.rank] = [layout.max_num_blocks, layout.max_num_blocks, 0]  # KV_STATS_GAUGES order
         self.tokens_per_block = self.tokens_per_block or layout.tokens_per_block
 
-    def update(self, layout: RankLayout, kv_stats: np.ndarray) -> None:
-        if layout.tp_rank != 0:
-            return
-        self.banked[(layout.rank, layout.incarnation)] = kv_stats[_COUNTERS].tolist()
-        self.gauges[layout.rank] = kv_stats[_GAUGES].tolist()
-        self.tokens_per_block = int(kv_stats[_TPB]) or self.tokens_per_block
+    def update(self, layout: RankLayout, kv_stats: np.ndarray, reference: bool) -> None:
+        """A rank's delta; `reference`: its block counters stand for its dp group in this record."""
+        key = (layout.rank, layout.incarnation)
+        counters = kv_stats[_COUNTERS].tolist()
+        if reference:
+            before = self.last.get(key) or [0] * len(_COUNTERS)
+            self.total = [t + c - b for t, c, b in zip(self.total, counters, before, strict=True)]
+            self.gauges[layout.rank - layout.tp_rank] = kv_stats[_GAUGES].tolist()
+            self.tokens_per_block = int(kv_stats[_TPB]) or self.tokens_per_block
+        self.last[key] = counters
 
     def stats(self) -> dict[str, Any]:
-        counters = [0] * len(_COUNTERS)
-        for c in self.banked.values():
-            counters = [a + b for a, b in zip(counters, c, strict=True)]
-        self.floor = [max(a, b) for a, b in zip(self.floor, counters, strict=True)]
+        self.floor = [max(a, b) for a, b in zip(self.floor, self.total, strict=True)]
         gauges = [sum(g[i] for g in self.gauges.values()) for i in range(len(_GAUGES))]
         out: dict[str, Any] = dict(zip(KV_STATS_GAUGES, gauges, strict=True))
         out["tokensPerBlock"] = self.tokens_per_block
@@ -80,11 +89,14 @@ class Cumulative:
         return out
 
     def to_state(self) -> dict[str, Any]:
-        return {"banked": self.banked, "gauges": self.gauges, "floor": self.floor, "tpb": self.tokens_per_block}
+        return {"last": self.last, "total": self.total, "gauges": self.gauges, "floor": self.floor,
+                "tpb": self.tokens_per_block}
 
     def restore(self, state: dict[str, Any]) -> None:
-        self.banked, self.gauges = dict(state["banked"]), dict(state["gauges"])
-        self.floor, self.tokens_per_block = list(state["floor"]), state["tpb"]
+        # a checkpoint written before `last`/`total` banked tp rank 0's latest snapshots, whose sum the floor holds
+        self.last = dict(state["last"] if "last" in state else state["banked"])
+        self.total = list(state.get("total", state["floor"]))
+        self.gauges, self.floor, self.tokens_per_block = dict(state["gauges"]), list(state["floor"]), state["tpb"]
 
 
 class Assembler:
@@ -148,8 +160,12 @@ class Assembler:
         accepted, errors = self._accepted(it)
         merged = merge([(lay, d.row) for lay, d in accepted])
         now = time.time()
+        refs: dict[int, RankLayout] = {}  # dp group -> its lowest tp rank present, as merge() takes it
+        for lay, _ in accepted:
+            if lay.dp_rank not in refs or lay.tp_rank < refs[lay.dp_rank].tp_rank:
+                refs[lay.dp_rank] = lay
         for lay, d in accepted:
-            self.cumulative.update(lay, lay.parts(d.row)[2])
+            self.cumulative.update(lay, lay.parts(d.row)[2], refs[lay.dp_rank] is lay)
             self.latest[d.rank] = (d, it.iteration, now)
         reported = sorted(d.rank for _, d in accepted)
         missing = sorted(set(range(self.world_size)) - set(reported))

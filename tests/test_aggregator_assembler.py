@@ -78,3 +78,65 @@ def test_checkpoint_round_trip_continues_the_totals():
     (rec,) = again.ingest([cluster.iteration(3)])
     assert rec["aggregatorEpoch"] == 2 and rec["kvCacheStats"]["allocTotalBlocks"] >= \
         asm.cumulative.stats()["allocTotalBlocks"]
+
+def _conserved(records, before):
+    """Per record: the change of the cumulative counters minus the record's summed iteration counters (FakeRank
+    keeps allocNewBlocks on the iterAllocTotalBlocks column, so allocNew is checked against it)."""
+    fields = (("iterAllocTotalBlocks", "allocTotalBlocks"), ("iterAllocTotalBlocks", "allocNewBlocks"),
+              ("iterReusedBlocks", "reusedBlocks"), ("iterMissedBlocks", "missedBlocks"))
+    off = []
+    for rec in records:
+        cum = rec["kvCacheStats"]
+        diff = {key: cum[key] - before[key] - sum(b[f] for b in rec["kvCacheIterationStats"].values())
+                for f, key in fields}
+        if any(diff.values()):
+            off.append((rec["iter"], diff))
+        before = cum
+    return off
+
+@pytest.mark.parametrize("register_first", [False, True])
+def test_a_killed_tp_rank_0_whose_tp_peer_still_reports_loses_no_count(register_first):
+    # the chaos soak's iteration 14655 (dp 2 x tp 2): rank 2 (dp 1's tp rank 0) is killed mid-step, rank 3 (tp 1)
+    # finishes that step and its delta is the group's reference in the merge (the lowest tp rank present); the
+    # cumulative must grow by rank 3's counters then, although rank 2's incarnation never reports again
+    cluster = FakeCluster(2, 2, seed=11)
+    asm = assembler(cluster)
+    before = asm.cumulative.stats()
+    records = asm.ingest([cluster.iteration(i) for i in range(5)])
+    dying = cluster.iteration(5, missing={2})  # rank 3's delta only, for dp 1
+    for r in cluster.ranks[2:]:  # dp 1 restarts: new incarnations, cumulative counters from zero
+        r.restart()
+    if register_first:  # the restarted group's registration may reach the aggregator before the dying iteration
+        asm.register(cluster.layouts[2:])
+        records += asm.ingest([dying])
+    else:
+        records += asm.ingest([dying])
+        asm.register(cluster.layouts[2:])
+    records += asm.ingest([cluster.iteration(6, missing={2, 3})])  # the group is down
+    records += asm.ingest([cluster.iteration(i) for i in range(7, 12)])
+    assert records[5]["missingRanks"] == [2] and records[5]["reportedRanks"] == [0, 1, 3]
+    assert _conserved(records, before) == []
+    series = [r["kvCacheStats"]["allocTotalBlocks"] for r in records]
+    assert series == sorted(series)
+
+def test_a_tp_peer_that_becomes_the_reference_is_counted_from_its_own_last_snapshot():
+    # rank 3 gives no delta in iteration 3, then rank 2 is gone in iteration 4 and rank 3 stands for the group:
+    # the cumulative grows by what rank 3 counted since its own last delta, not since rank 2's
+    cluster = FakeCluster(2, 2, seed=3)
+    asm = assembler(cluster)
+    before = asm.cumulative.stats()
+    its = [cluster.iteration(i) for i in range(3)]
+    its.append(cluster.iteration(3, missing={3}))
+    its.append(cluster.iteration(4, missing={2}))
+    records = asm.ingest(its)
+    assert _conserved(records, before) == []
+
+def test_checkpoint_round_trip_keeps_every_tp_ranks_last_snapshot():
+    cluster = FakeCluster(1, 2, seed=4)
+    asm = assembler(cluster)
+    before = asm.cumulative.stats()
+    records = asm.ingest([cluster.iteration(i) for i in range(3)])
+    again = Assembler("e", 2, 2, epoch=2)
+    again.restore(asm.checkpoint(), cluster.layouts)
+    records += again.ingest([cluster.iteration(3, missing={0})])
+    assert _conserved(records, before) == []
