@@ -72,6 +72,9 @@ class Cumulative:
         """A rank's delta; `reference`: its block counters stand for its dp group in this record."""
         key = (layout.rank, layout.incarnation)
         counters = kv_stats[_COUNTERS].tolist()
+        if key not in self.last:  # a new incarnation: the rank's earlier ones never report again
+            for old in [k for k in self.last if k[0] == layout.rank]:
+                del self.last[old]
         if reference:
             before = self.last.get(key) or [0] * len(_COUNTERS)
             self.total = [t + c - b for t, c, b in zip(self.total, counters, before, strict=True)]

@@ -8,6 +8,9 @@
             ...                                  # (with several engines: every engine's, the vector cursor)
         c.kv_cache_stats()                       # the cluster's cumulative kvCacheStats
 
+    from deployment.client import stream_completion
+    stream_completion("http://127.0.0.1:8000", {"prompt": "Hi", "max_tokens": 16}).text  # resumes a cut stream
+
 Server errors arrive in OpenAI's shape and are raised as `StatsError` with the server's message.
 """
 
@@ -15,6 +18,7 @@ import json
 import logging
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -172,3 +176,69 @@ class StatsClient:
             if failures > max_retries:
                 raise StatsError(0, "stats stream keeps closing")
             logger.info("stats stream closed by server; reconnecting after %s", pos or last)
+
+
+# refusals worth another try, as OpenAI's client retries them: Serve's proxy answers 500 when the ingress
+# replica it routed to died before answering, 503 while nothing can serve
+RETRY_STATUSES = (500, 502, 503, 504)
+
+
+@dataclass
+class Streamed:
+    """A streamed completion read to its end: every chunk once, in order; how many cuts it resumed over and
+    how many refusals it retried."""
+
+    chunks: list[dict] = field(default_factory=list)
+    resumed: int = 0
+    retried: int = 0
+
+    @property
+    def text(self) -> str:
+        choices = [c["choices"][0] for c in self.chunks if c.get("choices")]
+        return "".join(ch.get("text") or ch.get("delta", {}).get("content") or "" for ch in choices)
+
+
+def stream_completion(base_url: str, body: dict, path: str = "/v1/completions", give_up_s: float = 120.0,
+                      headers: dict[str, str] | None = None, timeout_s: float = 300.0,
+                      transport: httpx.BaseTransport | None = None) -> Streamed:
+    """A streamed completion (or chat completion, by `path`) read to `[DONE]` through what a server of
+    replicas does to a stream: a refusal before any response is retried after its Retry-After (at least
+    0.2 s), and a stream cut by the death of the ingress replica carrying it is resumed with `Last-Event-ID`
+    (deployment/resume.py), so the chunks are those of one uncut stream. Raises StatsError for any other
+    refusal, an in-band error, or when nothing took the request again within `give_up_s` of a failure."""
+    out, last_id, failed_at = Streamed(), None, None
+    body = {**body, "stream": True}
+    with httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s, transport=transport) as http:
+        while True:
+            sent = dict(headers or {}, **({"Last-Event-ID": last_id} if last_id else {}))
+            wait = 0.2
+            try:
+                with http.stream("POST", path, json=body, headers=sent) as resp:
+                    if resp.status_code != 200:
+                        resp.read()
+                        if resp.status_code not in RETRY_STATUSES:
+                            _raise_for_error(resp)
+                        wait = max(wait, float(resp.headers.get("retry-after") or 0))
+                    else:
+                        decoder = SSEDecoder()
+                        for line in resp.iter_lines():
+                            event = decoder.feed(line)
+                            if event is None:
+                                continue
+                            if event.data == "[DONE]":
+                                return out
+                            chunk = json.loads(event.data)
+                            if "error" in chunk:
+                                raise StatsError(200, chunk["error"].get("message", ""), chunk["error"].get("code"))
+                            out.chunks.append(chunk)
+                            last_id, failed_at = event.id, None
+            except httpx.TransportError as exc:  # no connection, or the stream cut (RemoteProtocolError)
+                logger.info("stream of %s broke (%s) after %d chunks", path, type(exc).__name__, len(out.chunks))
+            if last_id is not None:
+                out.resumed += 1
+            else:
+                out.retried += 1
+            failed_at = failed_at or time.monotonic()
+            if time.monotonic() - failed_at > give_up_s:
+                raise StatsError(503, f"no replica took the stream again within {give_up_s:g} s")
+            time.sleep(wait)  # what the server asked for, or a short pause: the replica is being replaced

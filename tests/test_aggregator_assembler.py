@@ -118,6 +118,7 @@ def test_a_killed_tp_rank_0_whose_tp_peer_still_reports_loses_no_count(register_
     assert _conserved(records, before) == []
     series = [r["kvCacheStats"]["allocTotalBlocks"] for r in records]
     assert series == sorted(series)
+    assert len(asm.cumulative.last) == 4  # one snapshot per rank: the dead incarnations are forgotten
 
 def test_a_tp_peer_that_becomes_the_reference_is_counted_from_its_own_last_snapshot():
     # rank 3 gives no delta in iteration 3, then rank 2 is gone in iteration 4 and rank 3 stands for the group:

@@ -1,7 +1,7 @@
 """Faults on the real Serve app (its own app and engine id, so the shared e2e app is never disturbed): a rank
 killed mid-generation, the engine's only replica killed under streaming traffic (every request re-sent by the
-ingress) and killed idle, an ingress replica killed, and a graceful shutdown that leaves no rank or placement
-group behind. Ordered: the last test deletes the app."""
+ingress) and killed idle, an ingress replica killed mid-stream (every stream resumed by the client), and a
+graceful shutdown that leaves no rank or placement group behind. Ordered: the last test deletes the app."""
 
 import concurrent.futures as cf
 import threading
@@ -11,6 +11,7 @@ import httpx
 import pytest
 import ray
 
+from deployment.client import stream_completion
 from tests.e2e_fixtures import completion_text, module_app
 from tests.http_support import all_stats
 
@@ -125,18 +126,27 @@ def test_the_engine_replica_killed_is_replaced_and_the_counters_go_on(app):
     assert ray.get(ray.get_actor(f"kvfleet-stats-{ENGINE_ID}", namespace="kvfleet").health.remote())["ok"]
 
 
-def test_an_ingress_replica_killed_is_replaced_and_the_engine_goes_on(app):
+def test_an_ingress_replica_killed_mid_stream_loses_no_stream_and_the_engine_goes_on(app):
+    """The streams the ingress replica carried are cut (Serve's proxy relays its bytes); the client resumes each
+    with Last-Event-ID on the replica Serve starts in its place and reads the stream it would have read."""
+    samplings = [{}, {"temperature": 0.8, "top_p": 0.9, "seed": 7}]  # greedy (BODY's temperature 0), seeded
+    extra = {"max_tokens": 160}  # long enough to be still streaming when the replica dies
+    cases = [(p, i) for p in PROMPTS[2:] for i in range(len(samplings))]
+    expected = {c: _complete(app, c[0], False, **extra, **samplings[c[1]]) for c in cases}
     steps = _health(app)["engine"]["steps"]
-    _kill(f"SERVE_REPLICA::{APP}#KVFleetIngress")
-
-    def answers() -> bool:
-        try:
-            return httpx.get(f"{app}/health", timeout=10).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    _until("a new ingress replica", answers)
-    assert _complete(app, PROMPTS[2], stream=True)
+    with cf.ThreadPoolExecutor(len(cases)) as pool:
+        runs = {c: pool.submit(stream_completion, app, {**BODY, **extra, **samplings[c[1]], "prompt": c[0]},
+                               give_up_s=RECOVERY_S) for c in cases}
+        _until("every stream running", lambda: _health(app)["engine"]["running"] >= len(cases), 60)
+        t_kill = time.monotonic()
+        _kill(f"SERVE_REPLICA::{APP}#KVFleetIngress")
+        got = {c: r.result() for c, r in runs.items()}
+        took = time.monotonic() - t_kill
+    resumed = sum(g.resumed for g in got.values())
+    print(f"ingress replica killed: {resumed} streams resumed, all done {took:.1f} s later")
+    assert resumed >= 1, "no stream was cut: the requests finished before the kill"
+    assert {c: g.text for c, g in got.items()} == expected  # no gap, no repeat, greedy and seeded
+    assert all(len({ch["id"] for ch in g.chunks}) == 1 for g in got.values())  # one response each
     health = _health(app)["engine"]
     assert health["steps"] > steps and all(g["restarts"] <= 1 for g in health["groups"].values())
 
