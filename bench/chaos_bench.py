@@ -10,8 +10,10 @@ shared-prefix completions the whole time. Every `--fault-every` seconds one faul
 the aggregator, kill the engine replica, kill the ingress replica, remove a worker node holding a group and add
 a fresh one. One line per fault with its recovery time (the fault -> every group up and a request served), then
 the summary:
-- requests: completed; refused before any response (a documented status: 503/429 while nothing could serve it);
-  lost (accepted, then cut or ended with an error): the target is 0;
+- requests, read as deployment/client.py's `stream_completion` reads them (a refusal before any response retried
+  after Retry-After, a stream cut by its ingress replica's death resumed with Last-Event-ID): completed (with how
+  many cuts and refusals they went through); refused for good (no replica answered within RECOVERY_S); lost
+  (chunks, then an error or no replica to resume on): the target is 0;
 - the conservation law over the whole run: every record read once, as it is emitted, and the sum of their
   iteration counters against the change of the cumulative counters; the cumulative never backwards (sampled);
 - the RSS of every long-lived process (alive from `--rss-from` to the end): growth, the target < 10%;
@@ -23,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import os
 import random
 import statistics
@@ -38,6 +39,7 @@ import httpx  # noqa: E402
 import psutil  # noqa: E402
 import ray  # noqa: E402
 
+from deployment.client import StreamError, stream_completion  # noqa: E402
 from deployment.loadgen import make_prompts  # noqa: E402
 from tests import multinode_support as mns  # noqa: E402
 
@@ -51,49 +53,35 @@ RECOVERY_S = 300
 class Tally:
     def __init__(self) -> None:
         self.ok = self.refused = self.lost = 0
+        self.resumed = self.retried = 0  # cuts the client resumed over, refusals it retried (both then completed)
         self.why: dict[str, int] = {}
-        self.lost_at: list[tuple[float, str]] = []  # (wall time, why)
+        self.lost_at: list[tuple[float, str]] = []  # (wall time, why): lost and refused
 
     def add(self, kind: str, why: str = "") -> None:
         setattr(self, kind, getattr(self, kind) + 1)
         if why:
             self.why[f"{kind}: {why}"] = self.why.get(f"{kind}: {why}", 0) + 1
+            self.lost_at.append((time.time(), f"{kind}: {why}"))
 
 
-async def stream_one(http: httpx.AsyncClient, body: dict, tally: Tally, t0: float) -> None:
-    """One streamed completion: ok (a finish reason, then [DONE]), refused (a status, or no connection, before
-    any response) or lost (accepted with a 200, then cut or ended with an error chunk)."""
-    finish, done, accepted = None, False, False
+def stream_one(url: str, body: dict, tally: Tally) -> None:
+    """One streamed completion as a client of a server of replicas reads it (deployment/client.py): refusals
+    before any response retried, a cut stream resumed with Last-Event-ID. ok: it ended with a finish reason
+    and [DONE]; refused: a status (or no connection) before any chunk, after the client gave up; lost: chunks
+    came, then it failed (an error chunk, or no replica took it again)."""
     try:
-        async with http.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                await r.aread()
-                tally.add("refused", str(r.status_code))
-                return
-            accepted = True
-            async for line in r.aiter_lines():
-                if line == "data: [DONE]":
-                    done = True
-                elif line.startswith("data: "):
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        tally.add("lost", f"error chunk {chunk['error'].get('code')}")
-                        tally.lost_at.append((time.time(), "error chunk"))
-                        return
-                    finish = chunk["choices"][0].get("finish_reason") or finish
-    except (httpx.HTTPError, ValueError) as e:
-        if not accepted:
-            tally.add("refused", type(e).__name__)
-            await asyncio.sleep(0.5)  # nothing answers: do not spin
-            return
-        tally.add("lost", type(e).__name__)
-        tally.lost_at.append((time.time(), type(e).__name__))
+        got = stream_completion(url, body, give_up_s=RECOVERY_S, timeout_s=300)
+    except StreamError as e:
+        tally.add("lost" if e.streamed.chunks else "refused", f"{e.status} {e.code or ''}".strip())
+        time.sleep(0.5)  # nothing answers: do not spin
         return
-    if done and finish:
+    tally.resumed += got.resumed
+    tally.retried += got.retried
+    finish = [c["choices"][0]["finish_reason"] for c in got.chunks if c.get("choices")]
+    if finish and finish[-1]:
         tally.add("ok")
     else:
-        tally.add("lost", "cut")
-        tally.lost_at.append((time.time(), "cut"))
+        tally.add("lost", "no finish reason")
 
 
 async def traffic(url: str, stop: asyncio.Event, clients: int, max_tokens: int, tally: Tally, t0: float) -> None:
@@ -101,11 +89,10 @@ async def traffic(url: str, stop: asyncio.Event, clients: int, max_tokens: int, 
 
     async def client(c: int) -> None:
         rng = random.Random(c)
-        async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(300, connect=10)) as http:
-            while not stop.is_set():
-                body = {"prompt": rng.choice(prompts), "max_tokens": max_tokens, "temperature": 0.0,
-                        "stream": True, "ignore_eos": True}
-                await stream_one(http, body, tally, t0)
+        while not stop.is_set():
+            body = {"prompt": rng.choice(prompts), "max_tokens": max_tokens, "temperature": 0.0,
+                    "ignore_eos": True}
+            await asyncio.to_thread(stream_one, url, body, tally)
 
     await asyncio.gather(*[client(c) for c in range(clients)])
 
@@ -308,13 +295,15 @@ async def run(mn: mns.MultiNode, args: argparse.Namespace) -> None:
         if times:
             print(f"  {kind:<16} x{len(times)}: recovery p50 {statistics.median(times):.1f} s, max {max(times):.1f} s")
     total = tally.ok + tally.refused + tally.lost
-    print(f"requests: {total}: {tally.ok} completed, {tally.refused} refused before any response, {tally.lost} "
-          f"lost (accepted, then cut) -> {'OK' if not tally.lost else 'LOST'}; {tally.why}")
+    print(f"requests: {total}: {tally.ok} completed ({tally.resumed} cuts resumed, {tally.retried} refusals "
+          f"retried), {tally.refused} refused for good, {tally.lost} lost (chunks, then a failure) -> "
+          f"{'OK' if not tally.lost else 'LOST'}; {tally.why}")
     if tally.lost_at:
         by_fault: dict[str, int] = {}
-        for t, _ in tally.lost_at:
-            by_fault[after_fault(t, faults)] = by_fault.get(after_fault(t, faults), 0) + 1
-        print(f"  lost, by the fault before them: {by_fault}")
+        for t, why in tally.lost_at:
+            key = f"{why.split(':')[0]} after {after_fault(t, faults)}"
+            by_fault[key] = by_fault.get(key, 0) + 1
+        print(f"  refused or lost, by the fault before them: {by_fault}")
     print(f"records: {len(iters)} from iteration {iters[0] if iters else None}, gaps {gaps}; epochs "
           f"{sorted({r['aggregatorEpoch'] for r in records.values()})}")
     print(f"conservation (cumulative change - summed iteration counters): {lost} -> "

@@ -198,6 +198,14 @@ class Streamed:
         return "".join(ch.get("text") or ch.get("delta", {}).get("content") or "" for ch in choices)
 
 
+class StreamError(StatsError):
+    """A streamed completion that failed for good; `streamed`: the chunks that had arrived (none: refused)."""
+
+    def __init__(self, status: int, message: str, code: str | None, streamed: Streamed) -> None:
+        super().__init__(status, message, code)
+        self.streamed = streamed
+
+
 def stream_completion(base_url: str, body: dict, path: str = "/v1/completions", give_up_s: float = 120.0,
                       headers: dict[str, str] | None = None, timeout_s: float = 300.0,
                       transport: httpx.BaseTransport | None = None) -> Streamed:
@@ -205,9 +213,20 @@ def stream_completion(base_url: str, body: dict, path: str = "/v1/completions", 
     replicas does to a stream: a refusal before any response is retried after its Retry-After (at least
     0.2 s), and a stream cut by the death of the ingress replica carrying it is resumed with `Last-Event-ID`
     (deployment/resume.py), so the chunks are those of one uncut stream. Raises StatsError for any other
-    refusal, an in-band error, or when nothing took the request again within `give_up_s` of a failure."""
-    out, last_id, failed_at = Streamed(), None, None
-    body = {**body, "stream": True}
+    refusal, an in-band error, or when nothing took the request again within `give_up_s` of a failure, as
+    StreamError with the chunks that had arrived."""
+    out = Streamed()
+    try:
+        return _read_stream(base_url, {**body, "stream": True}, path, give_up_s, headers, timeout_s, transport, out)
+    except StreamError:
+        raise
+    except StatsError as exc:
+        raise StreamError(exc.status, exc.message, exc.code, out) from None
+
+
+def _read_stream(base_url: str, body: dict, path: str, give_up_s: float, headers: dict[str, str] | None,
+                 timeout_s: float, transport: httpx.BaseTransport | None, out: Streamed) -> Streamed:
+    last_id, failed_at = None, None
     with httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s, transport=transport) as http:
         while True:
             sent = dict(headers or {}, **({"Last-Event-ID": last_id} if last_id else {}))
@@ -228,8 +247,9 @@ def stream_completion(base_url: str, body: dict, path: str = "/v1/completions", 
                             if event.data == "[DONE]":
                                 return out
                             chunk = json.loads(event.data)
-                            if "error" in chunk:
-                                raise StatsError(200, chunk["error"].get("message", ""), chunk["error"].get("code"))
+                            if "error" in chunk:  # the server's own failure, reported in the stream
+                                err = chunk["error"]
+                                raise StreamError(200, err.get("message", ""), err.get("code"), out)
                             out.chunks.append(chunk)
                             last_id, failed_at = event.id, None
             except httpx.TransportError as exc:  # no connection, or the stream cut (RemoteProtocolError)

@@ -124,8 +124,8 @@ class Settings(BaseSettings):
                                         "kept for replay")
     ingress_resource: str = Field(
         "", description="a custom Ray resource that the nodes allowed to host the ingress replicas advertise (each "
-        "replica asks for 0.001 of it): on KubeRay the head's `kvfleet_control`, so no worker node's loss takes an "
-        "ingress with its requests; empty = any node"
+        "replica asks for 0.001 of it): on KubeRay `kvfleet_control`, which only the pods meant for the replicas "
+        "advertise (k8s/: the GPU worker; k8s-multi-pod/: the CPU control group; never the head); empty = any node"
     )
     engine_resource: str = Field(
         "", description="the same for the engine replicas and their stats aggregators (the ranks always go to "
