@@ -64,9 +64,10 @@ def settings():
 
 def test_overlay_patches_only_the_rayservice_and_the_pdb():
     base = rendered(K8S)
-    assert overlay().keys() == base.keys()
-    changed = {key for key in base if overlay()[key] != base[key]}
-    assert changed == {("RayService", "kvfleet"), ("PodDisruptionBudget", "kvfleet-gpu-worker")}
+    pdb = ("PodDisruptionBudget", "kvfleet-gpu-worker")
+    assert overlay().keys() == base.keys() - {pdb} | {("PodDisruptionBudget", "kvfleet-control")}
+    changed = {key for key in base if key != pdb and overlay()[key] != base[key]}
+    assert changed == {("RayService", "kvfleet")}
 
 
 def test_overlay_validates_against_the_crd_and_the_core_schemas():
@@ -74,7 +75,7 @@ def test_overlay_validates_against_the_crd_and_the_core_schemas():
     templates = [cluster()["headGroupSpec"]["template"]] + [g["template"] for g in groups().values()]
     for i, template in enumerate(templates):
         k8s_validate(as_pod(f"pod-{i}", template))
-    k8s_validate(overlay()[("PodDisruptionBudget", "kvfleet-gpu-worker")])
+    k8s_validate(overlay()[("PodDisruptionBudget", "kvfleet-control")])
 
 
 def test_head_advertises_no_kvfleet_control_and_requests_no_gpu():
@@ -135,25 +136,19 @@ def test_serve_config_is_the_bases_resized_with_the_replicas_on_kvfleet_control(
     assert ours == base
 
 
-def test_gpu_pods_are_ready_without_a_serve_proxy():
-    """The GPU pods run no Serve replica and so no proxy: their readiness probe is the one KubeRay gives
-    RayCluster workers (the dashboard agent's /api/healthz), not the proxy check it gives RayService workers.
-    The head and the control pods, which run proxies, keep KubeRay's probes."""
-    gpu = container(groups()["gpu"])
-    probe = gpu["readinessProbe"]
-    assert probe["httpGet"] == {"path": "/api/healthz", "port": 52365}
-    assert "exec" not in probe and probe["timeoutSeconds"] >= 2
-    assert "livenessProbe" not in gpu and "startupProbe" not in gpu, "liveness stays KubeRay's"
-    for c in (container(cluster()["headGroupSpec"]), container(groups()["control"])):
+def test_every_pod_keeps_kuberays_probes_so_rank_only_pods_stay_out_of_the_serve_service():
+    """The GPU pods run no Serve replica and so no proxy: with KubeRay's RayService-worker probe they stay
+    unready, out of kvfleet-serve-svc, which would otherwise send clients to their empty port 8000."""
+    for c in (container(cluster()["headGroupSpec"]), container(groups()["control"]), container(groups()["gpu"])):
         assert not set(PROBES) & c.keys()
     assert {"name": "serve", "containerPort": 8000} in container(groups()["control"])["ports"]
 
 
-def test_pdb_lets_a_drain_take_one_gpu_pod_at_a_time():
-    pdb = overlay()[("PodDisruptionBudget", "kvfleet-gpu-worker")]["spec"]
-    assert pdb["maxUnavailable"] == 1
+def test_pdb_holds_the_control_pods_that_run_the_engine_replica():
+    pdb = overlay()[("PodDisruptionBudget", "kvfleet-control")]["spec"]
+    assert pdb["maxUnavailable"] == 0
     pods = cluster_pods(cluster(), "kvfleet-x7k2p")
-    assert {name for name, labels in pods.items() if selects(pdb["selector"], labels)} == {"gpu"}
+    assert {name for name, labels in pods.items() if selects(pdb["selector"], labels)} == {"control"}
 
 
 def test_control_pods_are_ray_peers_and_scraped():
