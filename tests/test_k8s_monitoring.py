@@ -5,6 +5,7 @@ import json
 import re
 import shutil
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,11 +29,12 @@ VLLM_DASHBOARDS = [K8S / "monitoring" / "vllm_kv_cache.json", K8S / "monitoring"
 # --- kustomize -------------------------------------------------------------------------------------------
 
 
-def kustomize() -> list[dict[str, Any]]:
+def kustomize(root: Path = K8S) -> list[dict[str, Any]]:
+    """`kubectl kustomize root` (k8s/ or an overlay of it), as documents."""
     kubectl = shutil.which("kubectl")
     if kubectl is None:
-        pytest.skip("kubectl not installed: cannot render k8s/ with kustomize")
-    out = subprocess.run([kubectl, "kustomize", str(K8S)], capture_output=True, text=True, timeout=120)
+        pytest.skip(f"kubectl not installed: cannot render {root.name}/ with kustomize")
+    out = subprocess.run([kubectl, "kustomize", str(root)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
