@@ -163,6 +163,7 @@ class StatsAggregatorImpl:
             self._reported_stats = self.asm.cumulative.stats()
         return self._reply()
 
+    @ray.method(enable_task_events=False)  # one call per engine step: as RankWorker.step, no task events
     async def ingest(self, iterations: list[Iteration], session: int | None = None) -> dict[str, Any]:
         """Take iterations (deltas, or object refs of deltas) of the attached engine's `session`; the reply's
         `acked` is the newest iteration that a record holds and the checkpoint covers: the engine may forget
@@ -230,6 +231,7 @@ class StatsAggregatorImpl:
             if (d.rank, d.incarnation) in self.asm.layouts}
         return {**rec, "ranks": ranks}
 
+    @ray.method(enable_task_events=False)  # one call per mirror per batch of records
     async def wait_records(self, since: int, timeout_s: float) -> list[dict]:
         """Long poll: records with iter > since as soon as there are any, [] after timeout_s."""
         self.subscribers += 1
