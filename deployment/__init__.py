@@ -6,12 +6,13 @@ Importing this package starts nothing (no Ray, no engine); `deployment.app` is b
 
 Modules: `settings` (the `Settings` class, the README table); `ingress` (the two Serve deployments:
 `KVFleetEngine` owns the engine, `KVFleetIngress` serves HTTP through the engine's handle); `resend` (a dead
-engine replica's requests re-sent by the ingress); `routes` (the app);
+engine replica's requests re-sent by the ingress); `resume` (a stream cut with its ingress replica, resumed by
+the client with Last-Event-ID); `routes` (the app);
 `generation` (the OpenAI routes over an `EngineProtocol`); `stats_routes` and `mirror` (statistics served from
 each ingress replica's copy of the records); `protocol` (OpenAI request models and response shapes);
 `errors` (OpenAI-shaped errors); `auth` (API keys); `dashboard_routes` (the /dashboard page);
 `kv_events` (the /kv_events stream); `sse` and `detokenize` (stream formats, text with stop strings); `client`
-and `loadgen` (a Python client of the statistics, and a traffic generator).
+and `loadgen` (a Python client of the statistics and of streamed completions, and a traffic generator).
 """
 
 from typing import Any
