@@ -224,6 +224,14 @@ def stream_completion(base_url: str, body: dict, path: str = "/v1/completions", 
         raise StreamError(exc.status, exc.message, exc.code, out) from None
 
 
+def _seconds(retry_after: str | None) -> float:
+    """Retry-After in seconds (an HTTP date, which no kvfleet route sends, counts as 1 s)."""
+    try:
+        return min(float(retry_after or 0), 60.0)
+    except ValueError:
+        return 1.0
+
+
 def _read_stream(base_url: str, body: dict, path: str, give_up_s: float, headers: dict[str, str] | None,
                  timeout_s: float, transport: httpx.BaseTransport | None, out: Streamed) -> Streamed:
     last_id, failed_at = None, None
@@ -237,7 +245,7 @@ def _read_stream(base_url: str, body: dict, path: str, give_up_s: float, headers
                         resp.read()
                         if resp.status_code not in RETRY_STATUSES:
                             _raise_for_error(resp)
-                        wait = max(wait, float(resp.headers.get("retry-after") or 0))
+                        wait = max(wait, _seconds(resp.headers.get("retry-after")))
                     else:
                         decoder = SSEDecoder()
                         for line in resp.iter_lines():
