@@ -145,6 +145,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
 def engine_error(exc: Exception) -> APIError:
     """What a client sees of a failure: one clean line, never a traceback."""
+    if isinstance(exc, APIError):  # the routes' own, already what the client sees
+        return exc
     if isinstance(exc, RequestError):
         return APIError(400, exc.message, code=exc.code)
     if isinstance(exc, Overloaded):

@@ -211,12 +211,17 @@ class _Generation:
 
 async def _numbered(chunks: AsyncIterator[dict], pos: resume.StreamPosition) -> AsyncIterator[str]:
     """The chunks as SSE events with their ids; a resumed stream sends only those after the client's last. The
-    chunks before it are made again, not sent: they are the same, since the tokens and the text are."""
-    n = -1
+    chunks before it are made again, not sent: the same tokens make the same chunks, which the hash checks."""
+    n, sent = -1, ""
     async for chunk in chunks:
         n += 1
+        data = json.dumps(chunk, separators=(",", ":"))
+        sent = resume.running_hash(sent, data)
+        if n == pos.chunk and sent != pos.sent:
+            raise APIError(500, f"stream {pos.rid} made other chunks this time than the client read: it cannot be "
+                           "resumed; send the request again without Last-Event-ID", code="stream_diverged")
         if n > pos.chunk:
-            yield format_event(json.dumps(chunk, separators=(",", ":")), id=pos.event_id(n))
+            yield format_event(data, id=pos.event_id(n, sent))
 
 
 async def _collect(text: AsyncIterator[tuple[str, str | None]]) -> tuple[str, str]:

@@ -7,7 +7,9 @@ response (its id and `created`), the seed it samples with, a digest of the reque
 The client POSTs the same body again with `Last-Event-ID: <the last id it read>`, to any ingress replica: the
 request runs again from its prompt with that seed (greedy or seeded, the engine draws the same tokens), and
 only the chunks after that number are sent, under the first response's id. Nothing is kept on the server:
-the id is the whole state, so the replica that died held nothing the resume needs.
+the id is the whole state, so the replica that died held nothing the resume needs. The id also chains a hash
+of the chunks up to it: a resumed stream whose chunks differ from what the client read ends with an in-band
+error (`stream_diverged`) instead of splicing another answer onto it.
 
 What it costs: the tokens already sent are generated again (the prompt's blocks are usually still cached).
 """
@@ -21,23 +23,30 @@ from typing import Any
 
 from deployment.errors import APIError
 
-_ID = re.compile(r"^((?:chat)?cmpl-[0-9a-f]{32})\.(\d{1,12})\.(\d{0,20})\.([0-9a-f]{12})\.(\d{1,9})$")
+_ID = re.compile(r"^((?:chat)?cmpl-[0-9a-f]{32})\.(\d{1,12})\.(\d{0,20})\.([0-9a-f]{12})\.(\d{1,9})\.([0-9a-f]{8})$")
 
 
 @dataclasses.dataclass(frozen=True)
 class StreamPosition:
-    """A streamed response: its id and `created`, the sampling seed (None: greedy), the request's digest, and
-    the number of the last chunk the client has (-1: none)."""
+    """A streamed response: its id and `created`, the sampling seed (None: greedy), the request's digest, the
+    number of the last chunk the client has (-1: none) and a hash of the chunks up to it."""
 
     rid: str
     created: int
     seed: int | None
     digest: str
     chunk: int = -1
+    sent: str = ""
 
-    def event_id(self, chunk: int) -> str:
+    def event_id(self, chunk: int, sent: str) -> str:
         seed = "" if self.seed is None else str(self.seed)
-        return f"{self.rid}.{self.created}.{seed}.{self.digest}.{chunk}"
+        return f"{self.rid}.{self.created}.{seed}.{self.digest}.{chunk}.{sent}"
+
+
+def running_hash(before: str, chunk: str) -> str:
+    """The hash of the chunks sent so far, chained: a resumed stream that made other chunks than the client read
+    (an engine that did not draw the same tokens) is found out, not spliced onto what the client has."""
+    return hashlib.blake2b(f"{before}{chunk}".encode(), digest_size=4).hexdigest()
 
 
 def request_digest(kind: str, prompt_ids: list[int], params: Any, extra: tuple) -> str:
@@ -55,8 +64,8 @@ def parse(value: str, kind: str) -> StreamPosition:
         raise APIError(400, f"Last-Event-ID {value[:80]!r} is not an event id of a streamed {kind}: send the "
                        "`id:` of the last event read, with the request's body unchanged",
                        code="invalid_last_event_id", param="Last-Event-ID")
-    rid, created, seed, digest, chunk = m.groups()
-    return StreamPosition(rid, int(created), int(seed) if seed else None, digest, int(chunk))
+    rid, created, seed, digest, chunk, sent = m.groups()
+    return StreamPosition(rid, int(created), int(seed) if seed else None, digest, int(chunk), sent)
 
 
 def resumed_params(pos: StreamPosition, params: Any) -> Any:

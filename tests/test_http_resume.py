@@ -49,7 +49,7 @@ def test_a_sampled_request_without_a_seed_gets_its_own_seed_each_time(http, serv
     assert server.engine.seeds[-1] != server.engine.seeds[-2]
 
 
-@pytest.mark.parametrize("bad", ["7", "cmpl-xyz.1.2.abcdefabcdef.3", "x" * 500])
+@pytest.mark.parametrize("bad", ["7", "cmpl-xyz.1.2.abcdefabcdef.3.0a0b0c0d", "x" * 500])
 def test_a_last_event_id_that_names_no_stream_is_a_400(http, bad):
     r = _post(http, "/v1/completions", COMPLETION, bad)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_last_event_id", r.text
@@ -70,6 +70,17 @@ def test_resuming_with_another_body_another_route_or_another_seed_is_a_400(http)
     assert [d for _, d in rest] == [d for _, d in full[3:]]
     # the seed may be left out of the body: the id carries it
     assert [d for _, d in _events(_post(http, "/v1/completions", COMPLETION, last))] == [d for _, d in full[3:]]
+
+
+def test_a_resumed_stream_that_makes_other_chunks_ends_with_an_error_instead_of_splicing(http):
+    """The id chains a hash of the chunks up to it: an engine that drew other tokens this time (here: an id whose
+    hash is not of these chunks) makes the resumed stream end with an in-band error, not another answer's tail."""
+    full = _events(_post(http, "/v1/completions", COMPLETION))
+    last = full[2][0]
+    forged = last[:-8] + ("0" * 8 if not last.endswith("0" * 8) else "1" * 8)
+    rest = _events(_post(http, "/v1/completions", COMPLETION, forged))
+    assert len(rest) == 2 and rest[-1][1] == "[DONE]"
+    assert json.loads(rest[0][1])["error"]["code"] == "stream_diverged"
 
 
 def test_the_chunks_of_a_resumed_stream_carry_the_first_response_id(http):
@@ -112,7 +123,7 @@ def test_stream_completion_resumes_a_cut_stream_and_retries_a_refusal(server):
     assert [c["choices"] for c in got.chunks] == [c["choices"] for c in expected]
     assert len({c["id"] for c in got.chunks}) == 1 and got.retried == 1 and got.resumed == 1
     assert got.text == "".join(c["choices"][0]["text"] for c in expected if c["choices"])
-    assert calls[0] is None and calls[1] is None and calls[2].endswith(".2")  # resumed after chunk 2
+    assert calls[0] is None and calls[1] is None and calls[2].split(".")[4] == "2"  # resumed after chunk 2
 
 
 class _Iter(__import__("httpx").SyncByteStream):
