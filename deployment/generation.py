@@ -218,10 +218,16 @@ async def _numbered(chunks: AsyncIterator[dict], pos: resume.StreamPosition) -> 
         data = json.dumps(chunk, separators=(",", ":"))
         sent = resume.running_hash(sent, data)
         if n == pos.chunk and sent != pos.sent:
-            raise APIError(500, f"stream {pos.rid} made other chunks this time than the client read: it cannot be "
-                           "resumed; send the request again without Last-Event-ID", code="stream_diverged")
+            raise _diverged(pos)
         if n > pos.chunk:
             yield format_event(data, id=pos.event_id(n, sent))
+    if n < pos.chunk:  # fewer chunks this time than the client has read
+        raise _diverged(pos)
+
+
+def _diverged(pos: resume.StreamPosition) -> APIError:
+    return APIError(500, f"stream {pos.rid} made other chunks this time than the client read: it cannot be "
+                    "resumed; send the request again without Last-Event-ID", code="stream_diverged")
 
 
 async def _collect(text: AsyncIterator[tuple[str, str | None]]) -> tuple[str, str]:

@@ -81,6 +81,9 @@ def test_a_resumed_stream_that_makes_other_chunks_ends_with_an_error_instead_of_
     rest = _events(_post(http, "/v1/completions", COMPLETION, forged))
     assert len(rest) == 2 and rest[-1][1] == "[DONE]"
     assert json.loads(rest[0][1])["error"]["code"] == "stream_diverged"
+    beyond = ".".join(last.split(".")[:4] + [str(len(full) + 5), last.split(".")[5]])  # past this stream's end
+    rest = _events(_post(http, "/v1/completions", COMPLETION, beyond))
+    assert json.loads(rest[0][1])["error"]["code"] == "stream_diverged"
 
 
 def test_the_chunks_of_a_resumed_stream_carry_the_first_response_id(http):
