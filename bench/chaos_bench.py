@@ -30,6 +30,7 @@ import random
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -39,7 +40,7 @@ import httpx  # noqa: E402
 import psutil  # noqa: E402
 import ray  # noqa: E402
 
-from deployment.client import StreamError, stream_completion  # noqa: E402
+from deployment.client import Streamed, StreamError, stream_completion  # noqa: E402
 from deployment.loadgen import make_prompts  # noqa: E402
 from tests import multinode_support as mns  # noqa: E402
 
@@ -64,37 +65,44 @@ class Tally:
             self.lost_at.append((time.time(), f"{kind}: {why}"))
 
 
-def stream_one(url: str, body: dict, tally: Tally) -> None:
+def stream_one(url: str, body: dict) -> tuple[str, str, Streamed | None]:
     """One streamed completion as a client of a server of replicas reads it (deployment/client.py): refusals
-    before any response retried, a cut stream resumed with Last-Event-ID. ok: it ended with a finish reason
-    and [DONE]; refused: a status (or no connection) before any chunk, after the client gave up; lost: chunks
-    came, then it failed (an error chunk, or no replica took it again)."""
+    before any response retried, a cut stream resumed with Last-Event-ID. ("ok", ...): it ended with a finish
+    reason and [DONE]; "refused": a status (or no connection) before any chunk, after the client gave up;
+    "lost": chunks came, then it failed (an error chunk, or no replica took it again)."""
     try:
         got = stream_completion(url, body, give_up_s=RECOVERY_S, timeout_s=300)
     except StreamError as e:
-        tally.add("lost" if e.streamed.chunks else "refused", f"{e.status} {e.code or ''}".strip())
-        time.sleep(0.5)  # nothing answers: do not spin
-        return
-    tally.resumed += got.resumed
-    tally.retried += got.retried
+        return "lost" if e.streamed.chunks else "refused", f"{e.status} {e.code or ''}".strip(), e.streamed
+    except Exception as e:  # a bug of the client's: counted, not the end of the soak
+        return "lost", type(e).__name__, None
     finish = [c["choices"][0]["finish_reason"] for c in got.chunks if c.get("choices")]
-    if finish and finish[-1]:
-        tally.add("ok")
-    else:
-        tally.add("lost", "no finish reason")
+    return ("ok", "", got) if finish and finish[-1] else ("lost", "no finish reason", got)
 
 
 async def traffic(url: str, stop: asyncio.Event, clients: int, max_tokens: int, tally: Tally, t0: float) -> None:
     prompts = make_prompts(400, prefixes=6, prefix_words=40, seed=0)
+    loop = asyncio.get_running_loop()
+    # the clients' own threads: in asyncio's default pool they would queue the fault injection behind streams
+    pool = ThreadPoolExecutor(clients, thread_name_prefix="client")
 
     async def client(c: int) -> None:
         rng = random.Random(c)
         while not stop.is_set():
             body = {"prompt": rng.choice(prompts), "max_tokens": max_tokens, "temperature": 0.0,
                     "ignore_eos": True}
-            await asyncio.to_thread(stream_one, url, body, tally)
+            kind, why, got = await loop.run_in_executor(pool, stream_one, url, body)
+            tally.add(kind, why)  # here, on the loop: one thread counts
+            if got is not None:
+                tally.resumed += got.resumed
+                tally.retried += got.retried
+            if kind == "refused":
+                await asyncio.sleep(0.5)  # nothing answers: do not spin
 
-    await asyncio.gather(*[client(c) for c in range(clients)])
+    try:
+        await asyncio.gather(*[client(c) for c in range(clients)])
+    finally:
+        pool.shutdown(wait=False)
 
 
 async def follow(url: str, stop: asyncio.Event, records: dict, cumulative: list) -> None:

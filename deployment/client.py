@@ -178,15 +178,16 @@ class StatsClient:
             logger.info("stats stream closed by server; reconnecting after %s", pos or last)
 
 
-# refusals worth another try, as OpenAI's client retries them: Serve's proxy answers 500 when the ingress
-# replica it routed to died before answering, 503 while nothing can serve
-RETRY_STATUSES = (500, 502, 503, 504)
+# refusals worth another try, as OpenAI's client retries them (it also retries 409): Serve's proxy answers 500
+# when the ingress replica it routed to died before answering, 503 while nothing can serve, 429 when the engine's
+# queue is full
+RETRY_STATUSES = (408, 429, 500, 502, 503, 504)
 
 
 @dataclass
 class Streamed:
     """A streamed completion read to its end: every chunk once, in order; how many cuts it resumed over and
-    how many refusals it retried."""
+    how many refusals (or failed connections) before a response it retried."""
 
     chunks: list[dict] = field(default_factory=list)
     resumed: int = 0
@@ -212,16 +213,21 @@ def stream_completion(base_url: str, body: dict, path: str = "/v1/completions", 
     """A streamed completion (or chat completion, by `path`) read to `[DONE]` through what a server of
     replicas does to a stream: a refusal before any response is retried after its Retry-After (at least
     0.2 s), and a stream cut by the death of the ingress replica carrying it is resumed with `Last-Event-ID`
-    (deployment/resume.py), so the chunks are those of one uncut stream. Raises StatsError for any other
-    refusal, an in-band error, or when nothing took the request again within `give_up_s` of a failure, as
-    StreamError with the chunks that had arrived."""
+    (it asks for `stream_options.resumable`; deployment/resume.py), so the chunks are those of one uncut
+    stream. Raises StreamError (with the chunks that had arrived) for any other refusal, an in-band error, a
+    malformed chunk, a cut stream that cannot be resumed, or when nothing took the request again within
+    `give_up_s` of a failure."""
+    options = {**(body.get("stream_options") or {}), "resumable": True}
     out = Streamed()
     try:
-        return _read_stream(base_url, {**body, "stream": True}, path, give_up_s, headers, timeout_s, transport, out)
+        return _read_stream(base_url, {**body, "stream": True, "stream_options": options}, path, give_up_s, headers,
+                            timeout_s, transport, out)
     except StreamError:
         raise
     except StatsError as exc:
         raise StreamError(exc.status, exc.message, exc.code, out) from None
+    except (ValueError, TypeError, AttributeError, KeyError, httpx.HTTPError) as exc:  # not what a server sends
+        raise StreamError(200, f"unreadable stream: {type(exc).__name__}: {exc}", "bad_stream", out) from None
 
 
 def _seconds(retry_after: str | None) -> float:
@@ -234,7 +240,8 @@ def _seconds(retry_after: str | None) -> float:
 
 def _read_stream(base_url: str, body: dict, path: str, give_up_s: float, headers: dict[str, str] | None,
                  timeout_s: float, transport: httpx.BaseTransport | None, out: Streamed) -> Streamed:
-    last_id, failed_at = None, None
+    last_id: str | None = None
+    failed_at: float | None = None
     with httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s, transport=transport) as http:
         while True:
             sent = dict(headers or {}, **({"Last-Event-ID": last_id} if last_id else {}))
@@ -245,6 +252,7 @@ def _read_stream(base_url: str, body: dict, path: str, give_up_s: float, headers
                         resp.read()
                         if resp.status_code not in RETRY_STATUSES:
                             _raise_for_error(resp)
+                            raise StatsError(resp.status_code, resp.text[:200])  # a 1xx-3xx other than 200
                         wait = max(wait, _seconds(resp.headers.get("retry-after")))
                     else:
                         decoder = SSEDecoder()
@@ -256,15 +264,18 @@ def _read_stream(base_url: str, body: dict, path: str, give_up_s: float, headers
                                 return out
                             chunk = json.loads(event.data)
                             if "error" in chunk:  # the server's own failure, reported in the stream
-                                err = chunk["error"]
-                                raise StreamError(200, err.get("message", ""), err.get("code"), out)
+                                err = chunk["error"] if isinstance(chunk["error"], dict) else {}
+                                raise StreamError(200, err.get("message", str(chunk["error"])), err.get("code"), out)
                             out.chunks.append(chunk)
-                            last_id, failed_at = event.id, None
+                            last_id, failed_at = event.id, None  # no id: a server that cannot resume
             except httpx.TransportError as exc:  # no connection, or the stream cut (RemoteProtocolError)
                 logger.info("stream of %s broke (%s) after %d chunks", path, type(exc).__name__, len(out.chunks))
-            if last_id is not None:
-                out.resumed += 1
-            else:
+            if out.chunks and last_id is None:
+                raise StreamError(200, "the stream was cut and has no event ids: it cannot be resumed",
+                                  "not_resumable", out)
+            if last_id is not None and failed_at is None:
+                out.resumed += 1  # a cut after chunks, counted once however many tries the resume takes
+            elif last_id is None:
                 out.retried += 1
             failed_at = failed_at or time.monotonic()
             if time.monotonic() - failed_at > give_up_s:

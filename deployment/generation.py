@@ -24,10 +24,12 @@ from deployment.detokenize import TextStream
 from deployment.errors import APIError, engine_error, error_body
 from deployment.resend import with_seed
 from deployment.settings import Settings
-from deployment.sse import SSE_EVENT, SSE_HEADERS, format_event, last_event_id
+from deployment.sse import SSE_EVENT, SSE_HEADERS, format_comment, format_event, last_event_id
 from engine.errors import RequestError
 
 logger = logging.getLogger("kvfleet.deployment")
+
+RESUME_COMMENT_S = 1.0  # while a resumed stream makes again what the client has: one comment a second
 
 
 
@@ -160,30 +162,34 @@ class _Generation:
         created = int(time.time())
         pos = self._position(request, req, kind, ids, params, rid, created)
         usage = [len(ids), 0]  # prompt, completion tokens
-        seeded = dataclasses.replace(params, seed=pos.seed)
-        events = await _admitted(self.engine.generate(rid, ids, seeded, req.cache_salt))
-        text = self._text(rid, events, req.stop_strings, usage)
+        engine_rid = rid  # a resumed stream is a new request to the engine (the first may still be running there)
+        if pos is not None:  # the response's id and created are the first response's
+            params, rid, created = dataclasses.replace(params, seed=pos.seed), pos.rid, pos.created
+        events = await _admitted(self.engine.generate(engine_rid, ids, params, req.cache_salt))
+        text = self._text(engine_rid, events, req.stop_strings, usage)
         if req.stream:
-            chunks = self._chunks(kind, pos.rid, pos.created, text, usage, req.include_usage)
-            return StreamingResponse(_in_band_errors(_numbered(chunks, pos)), media_type="text/event-stream",
-                                     headers=SSE_HEADERS)
+            chunks = self._chunks(kind, rid, created, text, usage, req.include_usage)
+            sse = _sse_events(chunks) if pos is None else _numbered(chunks, pos)
+            return StreamingResponse(_in_band_errors(sse), media_type="text/event-stream", headers=SSE_HEADERS)
         build = protocol.completion_response if kind == "text_completion" else protocol.chat_response
         return await _unless_disconnected(request, _collect(text), lambda t, f: build(
             rid, self.model, t, f, protocol.usage(*usage), created))
 
     @staticmethod
     def _position(request: Request, req: protocol.CompletionRequest | protocol.ChatCompletionRequest, kind: str,
-                  ids: list[int], params: Any, rid: str, created: int) -> resume.StreamPosition:
-        """A new response's position (its seed picked here, so its event ids can name it), or the one a
-        `Last-Event-ID` resumes (deployment/resume.py)."""
-        extra = (tuple(req.stop_strings), req.include_usage)
+                  ids: list[int], params: Any, rid: str, created: int) -> resume.StreamPosition | None:
+        """A resumable stream's position (its seed picked here, so its event ids can name it), or the one a
+        `Last-Event-ID` resumes (deployment/resume.py); None for other requests."""
         cut = last_event_id(request.headers)
+        if not req.resumable:
+            if cut is not None:
+                raise APIError(400, "Last-Event-ID resumes a resumable stream: send it with stream=true and "
+                               "stream_options.resumable=true", code="invalid_last_event_id", param="Last-Event-ID")
+            return None
+        extra = (tuple(req.stop_strings), req.include_usage)
         if cut is None:
             params = with_seed(params)
             return resume.StreamPosition(rid, created, params.seed, resume.request_digest(kind, ids, params, extra))
-        if not req.stream:
-            raise APIError(400, "Last-Event-ID resumes a streamed completion: send it with stream=true",
-                           code="invalid_last_event_id", param="Last-Event-ID")
         pos = resume.parse(cut, kind)
         if resume.request_digest(kind, ids, resume.resumed_params(pos, params), extra) != pos.digest:
             raise APIError(400, "Last-Event-ID names a stream of another request: resume with its body unchanged",
@@ -209,10 +215,17 @@ class _Generation:
             yield protocol.usage_chunk(rid, m, created, obj, protocol.usage(*usage))
 
 
+async def _sse_events(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+    async for chunk in chunks:
+        yield _sse(chunk)
+
+
 async def _numbered(chunks: AsyncIterator[dict], pos: resume.StreamPosition) -> AsyncIterator[str]:
     """The chunks as SSE events with their ids; a resumed stream sends only those after the client's last. The
-    chunks before it are made again, not sent: the same tokens make the same chunks, which the hash checks."""
-    n, sent = -1, ""
+    chunks before it are made again, not sent: the same tokens make the same chunks, which the hash checks.
+    Meanwhile a comment a second keeps proxies and the client's read timeout from taking the quiet for a dead
+    stream (a resume that is cut again for that would start over, and never get anywhere)."""
+    n, sent, said = -1, "", time.monotonic()
     async for chunk in chunks:
         n += 1
         data = json.dumps(chunk, separators=(",", ":"))
@@ -221,6 +234,9 @@ async def _numbered(chunks: AsyncIterator[dict], pos: resume.StreamPosition) -> 
             raise _diverged(pos)
         if n > pos.chunk:
             yield format_event(data, id=pos.event_id(n, sent))
+        elif time.monotonic() - said >= RESUME_COMMENT_S:
+            said = time.monotonic()
+            yield format_comment(f"resuming: chunk {n} of {pos.chunk} made again")
     if n < pos.chunk:  # fewer chunks this time than the client has read
         raise _diverged(pos)
 

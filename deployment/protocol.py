@@ -45,6 +45,8 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    resumable: bool = Field(False, description="an extension (as vLLM's continuous_usage_stats): every chunk "
+                            "carries an SSE id, and a cut stream resumes with Last-Event-ID (docs/http-api.md)")
 
 
 class ResponseFormat(_Strict):
@@ -119,6 +121,10 @@ class SamplingRequest(_Strict):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def resumable(self) -> bool:
+        return bool(self.stream_options and self.stream_options.resumable)
 
 
 class CompletionRequest(SamplingRequest):

@@ -27,7 +27,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
-import random
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -61,7 +61,7 @@ def with_seed(params: Any) -> Any:
     submit, but inside the replica that may die with it; picked here, every re-send carries the same seed and
     continues the very sequence the client has started receiving (no protocol change for the engine to tell)."""
     if params.seed is None and not params.greedy:
-        return dataclasses.replace(params, seed=random.getrandbits(63))  # as Engine.submit draws it
+        return dataclasses.replace(params, seed=secrets.randbits(63))  # as Engine.submit draws it
     return params
 
 

@@ -2,14 +2,17 @@
 
 A streamed completion passes through the ingress replica that serves it (Serve's proxy relays its bytes), so
 that replica's death cuts the stream whatever the engine does: the proxy cannot re-send a response it has
-started, and nothing but the client knows which chunks arrived. So every chunk carries an `id:` naming the
-response (its id and `created`), the seed it samples with, a digest of the request, and the chunk's number.
-The client POSTs the same body again with `Last-Event-ID: <the last id it read>`, to any ingress replica: the
-request runs again from its prompt with that seed (greedy or seeded, the engine draws the same tokens), and
-only the chunks after that number are sent, under the first response's id. Nothing is kept on the server:
-the id is the whole state, so the replica that died held nothing the resume needs. The id also chains a hash
-of the chunks up to it: a resumed stream whose chunks differ from what the client read ends with an in-band
-error (`stream_diverged`) instead of splicing another answer onto it.
+started, and nothing but the client knows which chunks arrived. A client that asks for it with
+`stream_options: {"resumable": true}` (an extension, as vLLM's `continuous_usage_stats`; plain streams stay
+plain, since line-based readers such as vLLM's and SGLang's serving benchmarks expect nothing but `data:`
+lines) gets an `id:` on every chunk naming the response (its id and `created`), the seed it samples with, a
+digest of the request, and the chunk's number. The client POSTs the same body again with
+`Last-Event-ID: <the last id it read>`, to any ingress replica: the request runs again from its prompt with
+that seed (greedy or seeded, the engine draws the same tokens), and only the chunks after that number are sent,
+under the first response's id. Nothing is kept on the server: the id is the whole state, so the replica that
+died held nothing the resume needs. The id also chains a hash of the chunks up to it: a resumed stream whose
+chunks differ from what the client read ends with an in-band error (`stream_diverged`) instead of splicing
+another answer onto it.
 
 What it costs: the tokens already sent are generated again (the prompt's blocks are usually still cached).
 """
@@ -23,7 +26,7 @@ from typing import Any
 
 from deployment.errors import APIError
 
-_ID = re.compile(r"^((?:chat)?cmpl-[0-9a-f]{32})\.(\d{1,12})\.(\d{0,20})\.([0-9a-f]{12})\.(\d{1,9})\.([0-9a-f]{8})$")
+_ID = re.compile(r"^((?:chat)?cmpl-[0-9a-f]{32})\.(\d{1,12})\.(\d{0,19})\.([0-9a-f]{12})\.(\d{1,9})\.([0-9a-f]{8})$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +63,7 @@ def parse(value: str, kind: str) -> StreamPosition:
     """The position a `Last-Event-ID` names; a 400 for anything that is not one of this route's ids."""
     m = _ID.match(value)
     prefix = "cmpl-" if kind == "text_completion" else "chatcmpl-"
-    if m is None or not m.group(1).startswith(prefix):
+    if m is None or not m.group(1).startswith(prefix) or (m.group(3) and int(m.group(3)) >= 2**63):
         raise APIError(400, f"Last-Event-ID {value[:80]!r} is not an event id of a streamed {kind}: send the "
                        "`id:` of the last event read, with the request's body unchanged",
                        code="invalid_last_event_id", param="Last-Event-ID")

@@ -20,7 +20,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-import random
+import secrets
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -234,7 +234,7 @@ class Engine(GroupRecovery):
         if waiting >= self.config.max_waiting_requests:
             raise Overloaded(f"{waiting} requests are waiting already (max_waiting_requests); retry later")
         if params.seed is None and not params.greedy:  # one seed for every tp rank of the group
-            params = dataclasses.replace(params, seed=random.getrandbits(63))
+            params = dataclasses.replace(params, seed=secrets.randbits(63))  # not predictable from others' seeds
         if isinstance(drawn, bool) or not isinstance(drawn, int) or not 0 <= drawn < len(prompt_token_ids):
             raise RequestError(f"drawn must be an integer in [0, {len(prompt_token_ids)}), got {drawn!r}")
         req = Request(rid, list(prompt_token_ids), params, cache_salt, params.max_tokens, drawn=drawn)

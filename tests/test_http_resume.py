@@ -8,9 +8,10 @@ import pytest
 
 from deployment.sse import SSEDecoder
 
-COMPLETION = {"prompt": "hi", "max_tokens": 7, "stream": True, "stream_options": {"include_usage": True},
-              "temperature": 0.9}
-CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True, "temperature": 0}
+COMPLETION = {"prompt": "hi", "max_tokens": 7, "stream": True,
+              "stream_options": {"include_usage": True, "resumable": True}, "temperature": 0.9}
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True,
+        "stream_options": {"resumable": True}, "temperature": 0}
 ROUTES = [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)]
 
 
@@ -135,3 +136,49 @@ class _Iter(__import__("httpx").SyncByteStream):
 
     def __iter__(self):
         yield from self._it
+
+
+def test_a_plain_stream_has_only_data_lines_as_line_based_readers_expect(http):
+    """vLLM's and SGLang's serving benchmarks strip "data: " from every line and parse the rest: ids only for
+    those who ask (stream_options.resumable), and a Last-Event-ID without it is a 400."""
+    plain = {**COMPLETION, "stream_options": {"include_usage": True}}
+    text = http.post("/v1/completions", json=plain).text
+    assert all(line.startswith("data: ") for line in text.split("\n") if line), text
+    r = _post(http, "/v1/completions", plain, _events(_post(http, "/v1/completions", COMPLETION))[1][0])
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_last_event_id"
+
+
+def test_a_long_resume_says_it_is_alive_while_it_makes_again_what_the_client_has(http, monkeypatch):
+    from deployment import generation
+
+    monkeypatch.setattr(generation, "RESUME_COMMENT_S", 0.0)
+    full = _events(_post(http, "/v1/completions", COMPLETION))
+    resp = _post(http, "/v1/completions", COMPLETION, full[4][0])
+    assert resp.text.count(": resuming") == 5  # chunks 0-4 (the last one read) made again
+    assert _events(resp)[:-1] == full[5:-1]
+
+
+def test_stream_completion_will_not_splice_a_cut_stream_it_cannot_resume_and_retries_a_429():
+    """A server that sends no event ids (an older one): a cut after chunks is an error, not a second answer
+    appended to the first; a 429 before any response is retried as OpenAI's client does."""
+    import httpx
+
+    from deployment.client import StreamError, stream_completion
+
+    calls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(json.loads(request.content))
+        if len(calls) == 1:
+            return httpx.Response(429, headers={"retry-after": "0"}, json={"error": {"message": "busy"}})
+
+        def cut():
+            yield b'data: {"choices": [{"text": "a", "finish_reason": null}]}\n\n'
+            raise httpx.RemoteProtocolError("peer closed connection")
+
+        return httpx.Response(200, stream=_Iter(cut()))
+
+    with pytest.raises(StreamError) as err:
+        stream_completion("http://x", {"prompt": "hi"}, transport=httpx.MockTransport(handler))
+    assert err.value.code == "not_resumable" and len(err.value.streamed.chunks) == 1 and len(calls) == 2
+    assert calls[0]["stream_options"] == {"resumable": True} and calls[0]["stream"] is True
