@@ -186,3 +186,13 @@ def test_a_bug_in_the_step_loop_fails_the_engine_and_its_health_instead_of_hangi
             await generate(eng, PROMPT, max_tokens=2)
 
     run(main())
+
+
+def test_the_per_step_actor_calls_record_no_task_events():
+    """Each is one Ray task per iteration: with task events the GCS kept up to 100,000 of them and grew 135% in
+    the hour-long soak (bench/task_events_bench.py). Ray reads this attribute when it builds the actor class."""
+    from aggregator.actor import StatsAggregatorImpl
+    from workers.worker import RankWorker
+
+    for method in (RankWorker.step, StatsAggregatorImpl.ingest, StatsAggregatorImpl.wait_records):
+        assert method.__ray_enable_task_events__ is False, method.__qualname__
