@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import pickle
 import time
 from collections import OrderedDict
@@ -54,6 +55,11 @@ TAIL_SLOTS = 2 * TAIL_RECORDS  # the ring of record slots: one state save per TA
 
 SLIVER = 0.001  # of a placement resource (`engine_resource`): it steers where the actor runs, it reserves nothing
 NAMESPACE = "kvfleet"  # the aggregator's Ray namespace: a new engine replica (or an operator) finds it by name
+# Whether kvfleet's own actors (the aggregator, the ranks) record Ray task events: off unless an operator turns on
+# Serve's switch for Serve's actors, as Serve does. The GCS keeps every task's events (up to 100,000) and every
+# /health probe is a call of each: on, the GCS grew ~100 task events a minute in the chaos soak. The per-step
+# calls stay off even then (`@ray.method(enable_task_events=False)`).
+TASK_EVENTS = os.environ.get("RAY_SERVE_ENABLE_TASK_EVENTS", "0") == "1"
 
 
 class StaleSession(RuntimeError):
@@ -290,5 +296,6 @@ def get_or_create_aggregator(engine_id: str, world_size: int, tp: int, buffer_si
     `resource`: a custom resource it asks a sliver of, so it runs (and Ray restarts it) only on the nodes that
     advertise it (deployment/settings.py `engine_resource`)."""
     opts = {"name": aggregator_name(engine_id), "namespace": NAMESPACE, "get_if_exists": True, "num_cpus": 0,
+            "enable_task_events": TASK_EVENTS,
             **({"resources": {resource: SLIVER}} if resource else {}), **options}
     return StatsAggregator.options(**opts).remote(engine_id, world_size, tp, buffer_size)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import re
 import uuid
@@ -27,6 +28,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from aggregator.actor import TASK_EVENTS
 from engine.config import EngineConfig
 from engine.errors import EngineError, one_line
 from workers.sampling_params import SamplingParams
@@ -112,6 +114,16 @@ def spread_target(config: EngineConfig, device: str, taken: list[str | None]) ->
     return min(fits, key=lambda n: (taken.count(n), n)) if fits else None
 
 
+@functools.cache
+def rank_actor_class() -> Any:
+    """The rank actor class, made once per process: every `ray.remote(cls)` exports the class anew to the GCS
+    (a fresh class id, ~19 KB each, kept until the job ends), and a group restart per fault grew the GCS by one
+    each. Made on first use: the class imports torch, which the ingress has no use for."""
+    from workers.worker import RankWorker
+
+    return ray.remote(RankWorker)
+
+
 async def start_group(config: EngineConfig, dp: int, device: str, dtype: str, target: str | None = None,
                       wait_s: float | None = SETUP_TIMEOUT_S,
                       pending: Any = None) -> tuple[Any, list[ray.actor.ActorHandle]]:
@@ -138,9 +150,7 @@ async def start_group(config: EngineConfig, dp: int, device: str, dtype: str, ta
     finally:
         if pending is not None:
             pending(False)
-    from workers.worker import RankWorker  # torch: ray.remote needs the class, so only where ranks start
-
-    actor_cls = ray.remote(RankWorker)
+    actor_cls = rank_actor_class()
     workers = []
     launch = uuid.uuid4().hex[:8]  # names stay unique while a killed predecessor's name is being released
     for tp_rank in range(s.tp):
@@ -152,7 +162,8 @@ async def start_group(config: EngineConfig, dp: int, device: str, dtype: str, ta
         strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=tp_rank)
         workers.append(actor_cls.options(
             name=rank_name(s.engine_id, rank, launch), num_cpus=s.num_cpus_per_rank,
-            num_gpus=1 if device == "cuda" else 0, scheduling_strategy=strategy, max_restarts=0).remote(spec))
+            num_gpus=1 if device == "cuda" else 0, scheduling_strategy=strategy, max_restarts=0,
+            enable_task_events=TASK_EVENTS).remote(spec))
     return pg, workers
 
 
