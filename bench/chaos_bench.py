@@ -179,7 +179,7 @@ async def chaos(mn: mns.MultiNode, args: argparse.Namespace, stop: asyncio.Event
     rng = random.Random(7)
     names = itertools.count(len(mn.nodes))
     async with httpx.AsyncClient(base_url=mn.url, timeout=30) as http:
-        for kind in itertools.cycle(FAULTS):
+        for kind in itertools.cycle(args.faults):
             next_at = t0 + (len(faults) + 1) * args.fault_every
             if next_at + args.fault_every / 2 > t0 + args.duration:
                 break
@@ -352,9 +352,13 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--model", default="random")
     ap.add_argument("--engine-id", default="chaos")
+    ap.add_argument("--faults", type=lambda v: tuple(v.split(",")), default=FAULTS,
+                    help=f"the faults to cycle through, comma-separated (default: all: {','.join(FAULTS)})")
     ap.add_argument("--rss-from", type=float, default=600.0, help="the first RSS sample (s; at most duration / 3)")
     args = ap.parse_args()
-    print(f"chaos soak: {args.duration:.0f} s, a fault every {args.fault_every:.0f} s ({', '.join(FAULTS)}), "
+    if set(args.faults) - set(FAULTS):
+        ap.error(f"--faults: unknown {sorted(set(args.faults) - set(FAULTS))}; known: {', '.join(FAULTS)}")
+    print(f"chaos soak: {args.duration:.0f} s, a fault every {args.fault_every:.0f} s ({', '.join(args.faults)}), "
           f"{args.nodes} worker nodes x {args.node_cpus} CPUs, dp {args.dp} x tp {args.tp}", flush=True)
     mn = mns.start({f"n{i}": (args.node_cpus, {}) for i in range(args.nodes)}, fast_verdict=False)
     try:
