@@ -28,7 +28,6 @@ def test_a_launch_cancelled_while_its_group_waits_for_placement_removes_the_grou
     assert [i["state"] for i in placement_group_table().values() if i.get("name") == name] == ["REMOVED"]
 
 
-
 def _exported_actor_classes() -> int:
     import ray
 
