@@ -27,6 +27,12 @@ CONTROL = "kvfleet_control"  # what the head advertises for the Serve replicas a
 OBJECT_STORE = 80 * 1024 * 1024  # per node: the random model moves little through the object store
 START_TIMEOUT_S = 240
 FAST_NODE_VERDICT = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
+# Ray's settings for a long-lived kvfleet cluster, as k8s/ sets them (RAY_<name> on every Ray container;
+# tests/test_k8s_manifests.py checks). Ray keeps up to 1000 profile events per task attempt and 100,000 dead actors
+# in the GCS. Actors whose task events are off (Serve's, ours) still report profile events (an idle Serve app's,
+# ~30 a second), under task attempts without task info that the state API never lists; with every fault more of
+# them filled to 1000 events: the GCS's largest growth in the chaos soak (bench/README.md, "What grows, and why").
+RAY_CONFIG = {"task_events_max_num_profile_events_per_task": 20, "maximum_gcs_destroyed_actor_cached_count": 1000}
 
 
 @dataclass
@@ -63,15 +69,16 @@ class MultiNode:
 def start(workers: dict[str, tuple[int, dict[str, float]]],
           head_resources: dict[str, float] | None = None, fast_verdict: bool = True) -> MultiNode:
     """Head (0 CPUs, the control resource unless `head_resources` says otherwise) + the named worker nodes
-    (cpus, resources), the driver connected to it. `fast_verdict`: the GCS marks a lost node dead after 3 missed
-    1 s health checks instead of Ray's default 5 missed 3 s ones (a restart waits for that verdict)."""
+    (cpus, resources), the driver connected to it, with kvfleet's `RAY_CONFIG`. `fast_verdict`: the GCS marks a
+    lost node dead after 3 missed 1 s health checks instead of Ray's default 5 missed 3 s ones (a restart waits
+    for that verdict)."""
     import ray
     from ray.cluster_utils import Cluster
 
     head = {CONTROL: 1000} if head_resources is None else head_resources
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "resources": head, "object_store_memory": OBJECT_STORE, "include_dashboard": False,
-        "_system_config": FAST_NODE_VERDICT if fast_verdict else {}})
+        "_system_config": {**RAY_CONFIG, **(FAST_NODE_VERDICT if fast_verdict else {})}})
     mn = MultiNode(cluster)
     for name, (cpus, res) in workers.items():
         mn.add(name, cpus, res)

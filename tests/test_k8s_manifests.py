@@ -249,6 +249,18 @@ def test_ray_containers_leave_probes_to_kuberay():
             assert {"name": "serve", "containerPort": 8000} in container["ports"], (name, group)
 
 
+
+def test_every_ray_container_runs_with_the_ray_config_the_soak_measured():
+    """tests/multinode_support.py's RAY_CONFIG (what the chaos soak's cluster runs with, and why) as RAY_<name>
+    env on every Ray container: the GCS reads them from its own environment, the workers from theirs."""
+    from tests.multinode_support import RAY_CONFIG
+
+    want = {f"RAY_{key}": str(value) for key, value in RAY_CONFIG.items()}
+    for name, spec in cluster_specs():
+        for group, container in ray_containers(spec):
+            env = plain_env(container)
+            assert {key: env.get(key) for key in want} == want, (name, group)
+
 def test_one_image_and_ray_version_everywhere():
     import ray
 
