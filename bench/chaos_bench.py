@@ -16,7 +16,8 @@ the summary:
   (chunks, then an error or no replica to resume on): the target is 0;
 - the conservation law over the whole run: every record read once, as it is emitted, and the sum of their
   iteration counters against the change of the cumulative counters; the cumulative never backwards (sampled);
-- the RSS of every long-lived process (alive from `--rss-from` to the end): growth, the target < 10%;
+- the RSS of every long-lived process (alive from `--rss-from` to the end, sampled every `--rss-every`):
+  growth, the target < 10%; and the metric series the head's Ray metrics agent exports at each sample;
 - rank actors and placement groups left after the app is deleted (GCS tables), the target 0.
 """
 
@@ -201,11 +202,13 @@ async def chaos(mn: mns.MultiNode, args: argparse.Namespace, stop: asyncio.Event
 
 
 class RSS:
-    """The RSS of this process's descendants (the cluster's raylets, GCS, Serve, the actors) by pid."""
+    """The RSS of this process's descendants (the cluster's raylets, GCS, Serve, the actors) by pid, sampled
+    now and then from `--rss-from` to the end: growth is first -> last, the samples between show whether it
+    levels off."""
 
     def __init__(self) -> None:
-        self.first: dict[int, tuple[str, int]] = {}
-        self.last: dict[int, tuple[str, int]] = {}
+        self.samples: list[dict[int, tuple[str, int]]] = []
+        self.series: list[int] = []  # the metric series the head's Ray metrics agent exports, at each sample
 
     @staticmethod
     def sample(settled_s: float = 0.0) -> dict[int, tuple[str, int]]:
@@ -221,18 +224,44 @@ class RSS:
                 continue
         return out
 
-    def growth(self) -> list[tuple[float, str, int, int]]:
-        both = [(pid, self.first[pid], self.last[pid]) for pid in self.first if pid in self.last]
-        return sorted(((b[1] - a[1]) / a[1] * 100, a[0], a[1], b[1]) for _, a, b in both if a[1] > 0)
+    def growth(self) -> list[tuple[float, str, list[int]]]:
+        """(growth %, process, its RSS at every sample) of the processes alive from the first sample to the last."""
+        if len(self.samples) < 2:
+            return []
+        first, last = self.samples[0], self.samples[-1]
+        rows = []
+        for pid, (title, a) in first.items():
+            if pid in last and a > 0:
+                rows.append(((last[pid][1] - a) / a * 100, title, [s[pid][1] for s in self.samples if pid in s]))
+        return sorted(rows)
 
 
-async def rss_watch(rss: RSS, stop: asyncio.Event, at_s: float) -> None:
+def head_metric_series(head_id: str) -> int:
+    """How many series the head node's Ray metrics agent exports (it keeps a dead process's counters and
+    histograms: what grows in the agent); -1 when it does not answer."""
+    try:
+        node = next(n for n in ray.nodes() if n["NodeID"] == head_id)
+        text = httpx.get(f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics", timeout=30).text
+    except (StopIteration, KeyError, httpx.HTTPError):
+        return -1
+    return sum(1 for line in text.splitlines() if line and not line.startswith("#"))
+
+
+async def rss_watch(rss: RSS, stop: asyncio.Event, at_s: float, every_s: float, head_id: str) -> None:
+    settled_s = 30.0  # the first sample skips processes younger than this; the later ones must match its pids
     try:
         await asyncio.wait_for(stop.wait(), at_s)
     except TimeoutError:
-        rss.first = await asyncio.to_thread(RSS.sample, 30.0)
-    await stop.wait()
-    rss.last = await asyncio.to_thread(RSS.sample)
+        while not stop.is_set():
+            rss.samples.append(await asyncio.to_thread(RSS.sample, settled_s))
+            rss.series.append(await asyncio.to_thread(head_metric_series, head_id))
+            settled_s = 0.0
+            try:
+                await asyncio.wait_for(stop.wait(), every_s)
+            except TimeoutError:
+                pass
+        rss.samples.append(await asyncio.to_thread(RSS.sample))
+        rss.series.append(await asyncio.to_thread(head_metric_series, head_id))
 
 
 def broken_iterations(records: list[dict]) -> list[tuple[int, float, dict]]:
@@ -274,7 +303,8 @@ async def run(mn: mns.MultiNode, args: argparse.Namespace) -> None:
     t0 = time.monotonic()
     read_all = asyncio.Event()  # set once the end is read: the follower then reads on until nothing is new
     follower = asyncio.ensure_future(follow(url, read_all, records, cumulative))
-    watcher = asyncio.ensure_future(rss_watch(rss, stop, min(args.rss_from, args.duration / 3)))
+    watcher = asyncio.ensure_future(rss_watch(rss, stop, min(args.rss_from, args.duration / 3), args.rss_every,
+                                                mn.head_id))
     traffic_done = asyncio.Event()
     await asyncio.gather(traffic(url, traffic_done, args.clients, args.max_tokens, tally, t0),
                          chaos(mn, args, traffic_done, faults, t0))
@@ -321,11 +351,13 @@ async def run(mn: mns.MultiNode, args: argparse.Namespace) -> None:
     print(f"cumulative: {len(cumulative)} samples, went backwards {backwards} times -> "
           f"{'OK' if not backwards else 'BACKWARDS'}")
     growth = rss.growth()
-    worst = growth[-3:] if growth else []
-    print(f"RSS of {len(growth)} long-lived processes from {min(args.rss_from, args.duration / 3):.0f} s to the end: "
-          f"max growth {worst[-1][0] if worst else 0:.1f}% -> {'OK' if not worst or worst[-1][0] < 10 else 'GROWS'}")
-    for pct, title, a, b in worst:
-        print(f"  {pct:5.1f}%  {a / 2**20:7.1f} -> {b / 2**20:7.1f} MiB  {title}")
+    worst = growth[-3:]
+    print(f"RSS of {len(growth)} long-lived processes from {min(args.rss_from, args.duration / 3):.0f} s to the end "
+          f"({len(rss.samples)} samples): max growth {worst[-1][0] if worst else 0:.1f}% -> "
+          f"{'OK' if not worst or worst[-1][0] < 10 else 'GROWS'}")
+    for pct, title, mib in worst:
+        print(f"  {pct:5.1f}%  {' '.join(f'{b / 2**20:.1f}' for b in mib)} MiB  {title}")
+    print(f"series the head's Ray metrics agent exports: {' '.join(map(str, rss.series))}")
 
 
 def leftovers(engine_id: str) -> tuple[int, int, int]:
@@ -355,6 +387,7 @@ def main() -> None:
     ap.add_argument("--faults", type=lambda v: tuple(v.split(",")), default=FAULTS,
                     help=f"the faults to cycle through, comma-separated (default: all: {','.join(FAULTS)})")
     ap.add_argument("--rss-from", type=float, default=600.0, help="the first RSS sample (s; at most duration / 3)")
+    ap.add_argument("--rss-every", type=float, default=600.0, help="the RSS samples after the first (s)")
     args = ap.parse_args()
     if set(args.faults) - set(FAULTS):
         ap.error(f"--faults: unknown {sorted(set(args.faults) - set(FAULTS))}; known: {', '.join(FAULTS)}")
