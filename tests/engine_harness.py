@@ -43,7 +43,7 @@ def make_rank(c: EngineConfig, rank: int) -> RankWorker:
         _MODEL["random"] = load_model(None, seed=c.seed, max_seq_len=c.cache.max_seq_len)
     w.model, cfg = _MODEL["random"]
     w.kv = build_kv_cache(spec, cfg, "cpu", torch.float32, TPGroup(spec.tp_rank, 1, None, "", 0))
-    w.layout = layout_of(w.kv, spec, w.incarnation)
+    w.layout = layout_of(w.kv, spec, w.incarnation, node_id="local")
     return w
 
 

@@ -134,7 +134,11 @@ def _rank_blocks(tp_rank: int, port: int, kv_bytes: int, out) -> None:
     tp = init_tp_group(tp_rank, 2, "127.0.0.1", port, backend="gloo", timeout_s=60)
     w = make_rank(s.engine_config(), tp_rank)
     w.kv = worker_module.build_kv_cache(w.spec, w.model.config, "cpu", torch.float32, tp)
-    out.put((tp_rank, w.kv.get_kv_cache_stats().max_num_blocks))
+    import ray
+
+    # a rank built outside an actor asks Ray nothing: it used to join whichever cluster /tmp/ray named (a dead one
+    # in CI, so the rank waited on its GCS until the queue timed out)
+    out.put((tp_rank, (w.kv.get_kv_cache_stats().max_num_blocks, ray.is_initialized())))
 
 
 @pytest.mark.slow
@@ -151,6 +155,7 @@ def test_tp_ranks_agree_on_the_smallest_pool():
     for p in procs:
         p.join(60)
     assert blocks[0] == blocks[1], blocks
+    assert blocks[0][1] is False, "a unit-test rank started or joined a Ray cluster"
 
 
 def test_statistics_off_serves_the_same_tokens_and_the_ranks_report_nothing():

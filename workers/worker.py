@@ -43,15 +43,16 @@ def build_kv_cache(spec: RankSpec, cfg: Any, device: str, dtype: torch.dtype, tp
     return KVCacheManager(kv_cfg)
 
 
-def layout_of(kv: KVCacheManager, spec: RankSpec, incarnation: str) -> RankLayout:
+def layout_of(kv: KVCacheManager, spec: RankSpec, incarnation: str, node_id: str) -> RankLayout:
     """This rank's static stats layout, registered with the aggregator once per incarnation (read from the
-    cache's configuration: it exists with statistics off too)."""
+    cache's configuration: it exists with statistics off too). `node_id` comes from the caller: asking Ray
+    here would start or join a cluster from a process that has none (a unit test's rank)."""
     return RankLayout(
         spec.rank, spec.dp_rank, spec.tp_rank, incarnation,
         life_cycles=tuple((lc.id, lc.pool_group, lc.window_key, lc.kind) for lc in kv.life_cycles),
         pool_groups=tuple((pg.id, pg.slot_bytes, tuple(pg.window_keys)) for pg in kv.pool_groups),
         max_num_blocks=kv.get_kv_cache_stats().max_num_blocks, tokens_per_block=kv.tokens_per_block,
-        node_id=ray.get_runtime_context().get_node_id(), node_ip=node_ip())
+        node_id=node_id, node_ip=node_ip())
 
 
 class _Req:
@@ -102,7 +103,7 @@ class RankWorker:
         self.model, cfg = load_model(s.model or None, tp_rank=s.tp_rank, tp_size=s.tp, device=self.device,
                                      dtype=dtype, seed=s.seed, max_seq_len=s.cache.max_seq_len)
         self.kv = build_kv_cache(s, cfg, self.device, dtype, tp_group)
-        self.layout = layout_of(self.kv, s, self.incarnation)
+        self.layout = layout_of(self.kv, s, self.incarnation, ray.get_runtime_context().get_node_id())
         lo, hi = 1, s.cache.max_seq_len
         while lo < hi:  # the longest request one rank can hold alone
             mid = (lo + hi + 1) // 2
@@ -115,7 +116,7 @@ class RankWorker:
                  s.rank, s.dp_rank, s.tp_rank, self.device, stats.max_num_blocks, lo)
         return {"rank": s.rank, "max_request_tokens": lo, "vocab_size": cfg.vocab_size,
                 "reuse_table": reuse_table(self.kv), "kv_slots": self.kv.num_slots,
-                "max_num_blocks": stats.max_num_blocks, "node_id": ray.get_runtime_context().get_node_id(),
+                "max_num_blocks": stats.max_num_blocks, "node_id": self.layout.node_id,
                 "device": self.device, "incarnation": self.incarnation, "layout": self.layout}
 
     # ---- the step -------------------------------------------------------------------------------------------
