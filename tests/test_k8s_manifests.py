@@ -261,6 +261,7 @@ def test_every_ray_container_runs_with_the_ray_config_the_soak_measured():
             env = plain_env(container)
             assert {key: env.get(key) for key in want} == want, (name, group)
 
+
 def test_one_image_and_ray_version_everywhere():
     import ray
 
