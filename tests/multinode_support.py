@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,13 @@ FAST_NODE_VERDICT = {"health_check_period_ms": 1000, "health_check_failure_thres
 # ~30 a second), under task attempts without task info that the state API never lists; with every fault more of
 # them filled to 1000 events: the GCS's largest growth in the chaos soak (bench/README.md, "What grows, and why").
 RAY_CONFIG = {"task_events_max_num_profile_events_per_task": 20, "maximum_gcs_destroyed_actor_cached_count": 1000}
+# The GCS's allocator (the jemalloc Ray preloads), as k8s/ sets it on the head container: one arena and dirty pages
+# returned after 1 s. With Ray's defaults (4 arenas per core, dirty pages kept 10 s) its live heap stayed flat in
+# the chaos soak while its RSS grew with every fault, pages of the many arenas left partly used (bench/README.md,
+# "The GCS's allocator"). Ray hands RAY_JEMALLOC_CONF to the processes RAY_JEMALLOC_PROFILE names as MALLOC_CONF:
+# despite its name, no profiling unless the conf asks for it.
+GCS_MALLOC_ENV = {"RAY_JEMALLOC_PROFILE": "gcs_server",
+                  "RAY_JEMALLOC_CONF": "narenas:1,dirty_decay_ms:1000,muzzy_decay_ms:0"}
 
 
 @dataclass
@@ -69,12 +77,15 @@ class MultiNode:
 def start(workers: dict[str, tuple[int, dict[str, float]]],
           head_resources: dict[str, float] | None = None, fast_verdict: bool = True) -> MultiNode:
     """Head (0 CPUs, the control resource unless `head_resources` says otherwise) + the named worker nodes
-    (cpus, resources), the driver connected to it, with kvfleet's `RAY_CONFIG`. `fast_verdict`: the GCS marks a
+    (cpus, resources), the driver connected to it, with kvfleet's `RAY_CONFIG` and `GCS_MALLOC_ENV` (one already
+    in the environment wins: a profiling run's). `fast_verdict`: the GCS marks a
     lost node dead after 3 missed 1 s health checks instead of Ray's default 5 missed 3 s ones (a restart waits
     for that verdict)."""
     import ray
     from ray.cluster_utils import Cluster
 
+    for key, value in GCS_MALLOC_ENV.items():  # the head's processes inherit this process's environment
+        os.environ.setdefault(key, value)
     head = {CONTROL: 1000} if head_resources is None else head_resources
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "resources": head, "object_store_memory": OBJECT_STORE, "include_dashboard": False,

@@ -262,6 +262,16 @@ def test_every_ray_container_runs_with_the_ray_config_the_soak_measured():
             assert {key: env.get(key) for key in want} == want, (name, group)
 
 
+def test_the_head_runs_its_gcs_with_the_allocator_settings_the_soak_measured():
+    """tests/multinode_support.py's GCS_MALLOC_ENV on the head's Ray container, where the GCS runs: Ray hands
+    RAY_JEMALLOC_CONF to the GCS as MALLOC_CONF only while RAY_JEMALLOC_PROFILE names it."""
+    from tests.multinode_support import GCS_MALLOC_ENV
+
+    for name, spec in cluster_specs():
+        env = plain_env(ray_containers(spec)[0][1])
+        assert {key: env.get(key) for key in GCS_MALLOC_ENV} == GCS_MALLOC_ENV, name
+
+
 def test_one_image_and_ray_version_everywhere():
     import ray
 
