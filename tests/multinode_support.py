@@ -36,9 +36,9 @@ FAST_NODE_VERDICT = {"health_check_period_ms": 1000, "health_check_failure_thres
 RAY_CONFIG = {"task_events_max_num_profile_events_per_task": 20, "maximum_gcs_destroyed_actor_cached_count": 1000}
 # The GCS's allocator (the jemalloc Ray preloads), as k8s/ sets it on the head container: one arena and dirty pages
 # returned after 1 s. With Ray's defaults (4 arenas per core, dirty pages kept 10 s) its live heap stayed flat in
-# the chaos soak while its RSS grew with every fault, pages of the many arenas left partly used (bench/README.md,
-# "The GCS's allocator"). Ray hands RAY_JEMALLOC_CONF to the processes RAY_JEMALLOC_PROFILE names as MALLOC_CONF:
-# despite its name, no profiling unless the conf asks for it.
+# ten-minute chaos soaks while its RSS grew with every fault, pages of the many arenas left partly used
+# (bench/README.md, "The GCS's allocator"). Ray hands RAY_JEMALLOC_CONF to the processes RAY_JEMALLOC_PROFILE names
+# as MALLOC_CONF: despite its name, no profiling unless the conf asks for it.
 GCS_MALLOC_ENV = {"RAY_JEMALLOC_PROFILE": "gcs_server",
                   "RAY_JEMALLOC_CONF": "narenas:1,dirty_decay_ms:1000,muzzy_decay_ms:0"}
 
@@ -78,9 +78,8 @@ def start(workers: dict[str, tuple[int, dict[str, float]]],
           head_resources: dict[str, float] | None = None, fast_verdict: bool = True) -> MultiNode:
     """Head (0 CPUs, the control resource unless `head_resources` says otherwise) + the named worker nodes
     (cpus, resources), the driver connected to it, with kvfleet's `RAY_CONFIG` and `GCS_MALLOC_ENV` (one already
-    in the environment wins: a profiling run's). `fast_verdict`: the GCS marks a
-    lost node dead after 3 missed 1 s health checks instead of Ray's default 5 missed 3 s ones (a restart waits
-    for that verdict)."""
+    in the environment wins: a profiling run's). `fast_verdict`: the GCS marks a lost node dead after 3 missed
+    1 s health checks instead of Ray's default 5 missed 3 s ones (a restart waits for that verdict)."""
     import ray
     from ray.cluster_utils import Cluster
 
