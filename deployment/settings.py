@@ -116,11 +116,14 @@ class Settings(BaseSettings):
         "`KVEventsConfig`; docs/architecture.md)"
     )
     kv_events_endpoint: str = Field(
-        "tcp://*:5557", description="the ZMQ PUB endpoint of dp group 0; group N's port is this + N, as vLLM's DP "
-        "engines (a wildcard, ipc or inproc endpoint is bound, any other connected to)"
+        "tcp://*:5557", description="the ZMQ PUB endpoint of the first engine replica's dp group 0; engine "
+        "replica R's group N publishes on this port + R x dp + N (its fleet-wide dp rank, the batches' "
+        "`data_parallel_rank`), as vLLM's DP engines (a wildcard, ipc or inproc endpoint is bound, any other "
+        "connected to)"
     )
     kv_events_replay_endpoint: str = Field(
-        "", description="the ZMQ replay (ROUTER) endpoint of dp group 0, offset per group likewise; empty = none"
+        "", description="the ZMQ replay (ROUTER) endpoint of the first replica's dp group 0, offset per group "
+        "likewise; empty = none"
     )
     kv_events_topic: str = Field("", description="the topic frame of every ZMQ KV event batch")
     kv_events_buffer_steps: int = Field(10_000, ge=1, description="ZMQ KV event batches (one per group and step) "
@@ -167,18 +170,20 @@ class Settings(BaseSettings):
         from engine.kv_publisher import endpoint_problem, offset_endpoint
 
         groups = {}
+        ranks = self.dp * self.engine_replicas  # every replica's groups: replicas may share a node
         for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
             endpoint = getattr(self, name)
             if not endpoint and name == "kv_events_replay_endpoint":
                 continue
-            problem = endpoint_problem(endpoint, self.dp)
+            problem = endpoint_problem(endpoint, ranks)
             if problem:
                 raise ValueError(f"{name} {endpoint!r} {problem}")
-            groups[name] = {offset_endpoint(endpoint, dp) for dp in range(self.dp)}
+            groups[name] = {offset_endpoint(endpoint, rank) for rank in range(ranks)}
         pub, replay = groups.get("kv_events_endpoint", set()), groups.get("kv_events_replay_endpoint", set())
         if pub & replay and not any(e.endswith(":0") for e in pub & replay):
             raise ValueError(f"kv_events_endpoint and kv_events_replay_endpoint overlap ({sorted(pub & replay)[0]}) "
-                             f"over the {self.dp} dp groups' offsets: move the replay port further away")
+                             f"over the {ranks} dp groups' offsets ({self.engine_replicas} engine replicas x dp "
+                             f"{self.dp}): move the replay port further away")
         return self
 
 
@@ -204,7 +209,7 @@ class Settings(BaseSettings):
                                 self.routing_load_weight, self.routing_free_weight)
         events = KVEventsConfig(self.kv_events or self.fleet_policy == "kv", self.kv_events_buffer,
                                 self.kv_events_publisher, self.kv_events_endpoint, self.kv_events_replay_endpoint,
-                                self.kv_events_topic, self.kv_events_buffer_steps)
+                                self.kv_events_topic, self.kv_events_buffer_steps, replica_rank * self.dp)
         parts = {"cache": cache, "routing": routing, "kv_events": events}
         same = {f.name: getattr(self, f.name) for f in fields(EngineConfig) if f.name not in parts}
         same["engine_id"] = self.engine_id_of(replica_rank)

@@ -28,10 +28,11 @@ class KVEventsConfig:
     always: bool = False  # record them for /kv_events even with no listener and a policy other than kv
     buffer: int = 10_000  # events kept for /kv_events replay
     publisher: str = "null"  # null | zmq
-    endpoint: str = "tcp://*:5557"  # dp group d publishes on the port + d
+    endpoint: str = "tcp://*:5557"  # dp group d publishes on the port + first_group + d
     replay_endpoint: str = ""
     topic: str = ""
     buffer_steps: int = 10_000
+    first_group: int = 0  # the fleet-wide index of this engine's group 0 (replica rank x dp): its offset
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,10 @@
 """KV events over ZMQ, in vLLM 0.33.0's wire format, so a router written for vLLM's DP engines reads ours.
 
 One PUB socket (and, if asked for, one replay ROUTER socket) per dp group, at the configured endpoint offset
-by the dp rank as vLLM's `ZmqEventPublisher.offset_endpoint_port` does (tcp: port + dp; inproc and ipc: a
-`_dp<N>` suffix; a tcp port 0 is left to the OS). Each step's events of a group (tp rank 0's, the same list
+by the group's fleet-wide dp rank (engine replica rank x dp + dp rank, so replicas on one node never share a
+port) as vLLM's `ZmqEventPublisher.offset_endpoint_port` offsets by its global dp rank (tcp: port + rank;
+inproc and ipc: a `_dp<N>` suffix; a tcp port 0 is left to the OS). A batch's `data_parallel_rank` is that
+fleet-wide rank too. Each step's events of a group (tp rank 0's, the same list
 the KV index and `/kv_events` get) are one batch: frames `topic`, 8-byte big-endian sequence number (per
 group, from 0), msgpack `KVEventBatch`: a positional array `[ts, events, data_parallel_rank]` whose events
 are tagged maps (`"type": "BlockStored"` ...), as vLLM 0.33.0 encodes them (msgspec: the batch `array_like`,
@@ -15,9 +17,17 @@ numbers and asks the replay socket) and keeps the last `kv_events_buffer_steps` 
 queue is full the batch is dropped and the group's next batch is a snapshot of the engine's index instead
 (`AllBlocksCleared`, then every block it holds), so a consumer's view converges again.
 
+Only full blocks go on the wire: vLLM never stores a partial block, and its consumers (llm-d, Dynamo) take
+`block_size` tokens per hash, so a trailing partial block (which kvfleet's own `/kv_events` shows with its
+token count) is left out, and so are its moves and its removal.
+
 Tenant isolation (docs/http-api.md, /kv_events): a salted block's `token_ids` is empty, and `extra_keys`
 carries the salt's label (engine/placement.py `salt_label`), never the salt, on the first block of a chain,
 where vLLM puts the raw `cache_salt`.
+
+The replay socket takes requests from any peer that reaches it: a malformed one is dropped (logged once per
+doubling of their count), and a start past the buffer gets only the end marker; nothing a peer sends stops
+the thread.
 """
 
 from __future__ import annotations
@@ -96,17 +106,26 @@ class KVEventBatch(EventBatch):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
-def wire_events(events: list[KVEvent], block_size: int, label: Callable[[Any], str]) -> list[KVCacheEvent]:
-    """A rank's events as vLLM events (a tier move is removed from one medium, stored on the other)."""
+def wire_events(events: list[KVEvent], block_size: int, label: Callable[[Any], str], partial: set[int],
+                snapshot: bool = False) -> list[KVCacheEvent]:
+    """A rank's events as vLLM events (a tier move is removed from one medium, stored on the other). `partial`
+    is the group's partial blocks held (kept up to date here): they and their later events stay off the wire.
+    A `snapshot`'s stored events are the index's full blocks (it carries no tokens and leaves partial ones out)."""
     out: list[KVCacheEvent] = []
     for ev in events:
         if ev.kind == CLEARED:
+            partial.clear()
             out.append(AllBlocksCleared())
+        elif ev.key in partial:
+            if ev.kind == REMOVED:
+                partial.discard(ev.key)
         elif ev.kind == REMOVED:
             out.append(BlockRemoved([ev.key], MEDIUM[ev.tier]))
         elif ev.kind == MOVED:
             out.append(BlockRemoved([ev.key], MEDIUM[1 - ev.tier]))
             out.append(BlockStored([ev.key], None, [], block_size, None, MEDIUM[ev.tier], None, [None]))
+        elif ev.kind == STORED and not snapshot and len(ev.tokens) < block_size:
+            partial.add(ev.key)
         elif ev.kind == STORED:
             salted = ev.salt is not None
             extra = (label(ev.salt),) if salted and ev.parent is None else None  # vLLM: the salt on a chain's first
@@ -138,7 +157,7 @@ def endpoint_problem(endpoint: str, groups: int) -> str | None:
         return "needs a host and a port, e.g. tcp://*:5557"
     top = int(port) + (groups - 1 if int(port) else 0)
     if top > 65535:
-        return f"port {port} + {groups - 1} (one port per dp group) passes 65535"
+        return f"port {port} + {groups - 1} (one port per dp group of every engine replica) passes 65535"
     return None
 
 
@@ -154,6 +173,7 @@ class _Group:
     replay: zmq.Socket | None
     buffer: deque = field(default_factory=deque)  # (seq, payload), the last buffer_steps batches
     seq: int = 0  # the next batch's sequence number
+    partial: set[int] = field(default_factory=set)  # partial blocks held: never on the wire (the thread's)
 
 
 class KVEventPublisher:
@@ -167,11 +187,13 @@ class KVEventPublisher:
         self.endpoint, self.replay_endpoint = c.endpoint, c.replay_endpoint
         self.topic = c.topic.encode()
         self.buffer_steps = c.buffer_steps
+        self.first_group = c.first_group  # the fleet-wide dp rank of group 0: the endpoints' offset
         self.block_size = block_size
         self.index = index  # the engine's KVIndex: what a snapshot after a dropped batch is made of
         self.label = label
         self.endpoints: list[tuple[str, str | None]] = []  # per group (PUB, replay) as bound: tcp port 0 resolved
         self.dropped = 0  # batches dropped because the queue was full
+        self.bad_requests = 0  # malformed replay requests dropped
         self._lost = [False] * num_groups
         self._queue: queue.Queue = queue.Queue(MAX_QUEUE)
         self._groups: list[_Group] = []
@@ -198,10 +220,11 @@ class KVEventPublisher:
         """Queue one step's events of group `dp` as one batch; never blocks (a full queue drops it)."""
         if self._thread is None or not events:
             return
+        seed = None
         if self._lost[dp]:
-            events = self._snapshot(dp)  # the index already holds this step's events
+            events, seed = self._snapshot(dp)  # the index already holds this step's events
         try:
-            self._queue.put_nowait((dp, time.time(), events))
+            self._queue.put_nowait((dp, time.time(), events, seed))
             self._lost[dp] = False
         except queue.Full:
             self._lost[dp] = True
@@ -237,19 +260,24 @@ class KVEventPublisher:
         self._thread = None
         self._close_sockets()
 
-    def _snapshot(self, dp: int) -> list[KVEvent]:
-        held = [] if self.index.resync[dp] else list(self.index.blocks[dp].items())
-        return [KVEvent(CLEARED)] + [KVEvent(STORED, key, tier=tier) for key, tier in held]
+    def _snapshot(self, dp: int) -> tuple[list[KVEvent], set[int]]:
+        """The index's full blocks as events, and its partial blocks (kept off the wire from now on)."""
+        if self.index.resync[dp]:
+            return [KVEvent(CLEARED)], set()
+        partial = set(self.index.partial[dp])
+        held = [(key, tier) for key, tier in self.index.blocks[dp].items() if key not in partial]
+        return [KVEvent(CLEARED)] + [KVEvent(STORED, key, tier=tier) for key, tier in held], partial
 
     def _open(self, dp: int) -> _Group:
-        ep = offset_endpoint(self.endpoint, dp)
+        rank = self.first_group + dp
+        ep = offset_endpoint(self.endpoint, rank)
         pub = self._ctx.socket(zmq.PUB)
         pub.set_hwm(HWM)
         replay, replay_at = None, None
         try:
             pub_at = self._attach(pub, ep, "kv_events_endpoint", dp, bind_here(ep))
             if self.replay_endpoint:
-                rep = offset_endpoint(self.replay_endpoint, dp)
+                rep = offset_endpoint(self.replay_endpoint, rank)
                 replay = self._ctx.socket(zmq.ROUTER)
                 replay.setsockopt(zmq.SNDHWM, 2 * (self.buffer_steps + 1))  # a whole replay and its end marker
                 replay_at = self._attach(replay, rep, "kv_events_replay_endpoint", dp, True)
@@ -292,7 +320,10 @@ class KVEventPublisher:
                 replays[g.replay] = g
         while not self._stop:
             for sock, _ in poller.poll(0) if replays else ():
-                self._serve_replay(replays[sock])
+                try:
+                    self._serve_replay(replays[sock])
+                except Exception:  # a peer's request never ends the thread that publishes every group
+                    log.exception("kv events: a replay request failed")
             try:
                 item = self._queue.get(timeout=POLL_S)
             except queue.Empty:
@@ -300,10 +331,14 @@ class KVEventPublisher:
             if isinstance(item, threading.Event):
                 item.set()
                 continue
-            dp, ts, events = item
+            dp, ts, events, seed = item
+            g = self._groups[dp]
             try:
-                self._send(self._groups[dp], encoder.encode(
-                    KVEventBatch(ts, wire_events(events, self.block_size, self.label), dp)))
+                wire = wire_events(events, self.block_size, self.label, g.partial, snapshot=seed is not None)
+                if seed is not None:
+                    g.partial |= seed
+                if wire:  # a step that stored only a partial block sends nothing (as vLLM: no empty batch)
+                    self._send(g, encoder.encode(KVEventBatch(ts, wire, self.first_group + dp)))
             except Exception:
                 log.exception("kv events: dp group %d: a batch was not sent", dp)
 
@@ -314,14 +349,18 @@ class KVEventPublisher:
         g.pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
 
     def _serve_replay(self, g: _Group) -> None:
-        """One replay request: every buffered batch from its start seq on, then the end marker."""
+        """One replay request: every buffered batch from its start seq on, then the end marker. A request that
+        is not [identity, empty, 8-byte seq] is dropped: the ROUTER socket takes whatever any peer sends."""
         frames = g.replay.recv_multipart()
-        if len(frames) != 3:
-            log.warning("kv events: a replay request of %d frames (expected identity, empty, seq)", len(frames))
+        if len(frames) != 3 or frames[1] or len(frames[2]) != 8:
+            self.bad_requests += 1
+            if self.bad_requests & (self.bad_requests - 1) == 0:  # 1, 2, 4, ...: one line per doubling
+                log.warning("kv events: dropped %d malformed replay requests (expected identity, empty, "
+                            "8-byte seq; the last had %d frames)", self.bad_requests, len(frames))
             return
         client, _, start = frames
         first = g.buffer[0][0] if g.buffer else g.seq
-        skip = max(0, int.from_bytes(start, "big") - first)
+        skip = min(len(g.buffer), max(0, int.from_bytes(start, "big") - first))  # past the buffer: nothing to send
         for seq, payload in itertools.islice(g.buffer, skip, None):
             g.replay.send_multipart((client, b"", self.topic, seq.to_bytes(8, "big"), payload))
         g.replay.send_multipart((client, b"", b"", END_SEQ, b""))

@@ -87,7 +87,7 @@ class Router:
         self.B = tokens_per_block
         self.weights = (s.primary_weight, s.host_weight, s.load_weight, s.free_weight)
         self.always_events = s.policy == "kv" or events.always or events.publisher == "zmq"
-        self.index = KVIndex(num_groups, 1 << 30)
+        self.index = KVIndex(num_groups, 1 << 30, self.B)
         self.stream = KVEventStream(events.buffer, self.B, self.index, buffer_always=events.always)
         self.publisher = KVEventPublisher(events, self.B, num_groups, self.index, salt_label)  # ZMQ, vLLM's format
         self.free = [0] * num_groups  # each group's free primary blocks, from its last step

@@ -10,6 +10,7 @@ import importlib.util
 import json
 import queue
 import selectors
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ from pydantic import ValidationError
 from deployment.settings import Settings
 from engine import kv_publisher
 from engine.errors import EngineError
+from engine.kv_index import KVIndex
 from engine.kv_publisher import KVEventPublisher, offset_endpoint
 from engine.placement import salt_label
 from kvcache.events import CLEARED, MOVED, REMOVED, STORED, KVEvent, prompt_keys
@@ -84,7 +86,8 @@ def test_a_subscriber_process_rebuilds_every_groups_index_from_the_wire():
                 proc.kill()
             proc.wait(10)
         for dp in range(2):
-            assert {int(k): t for k, t in got["index"][dp].items()} == eng.router.index.blocks[dp]
+            full = {k: t for k, t in eng.router.index.blocks[dp].items() if k not in eng.router.index.partial[dp]}
+            assert {int(k): t for k, t in got["index"][dp].items()} == full  # partial blocks stay off the wire
             c = got["counts"][dp]
             assert c["batches"] == pub.last_seq(dp) + 1  # every batch decoded, none twice
             assert c["replays"] >= 1 and c["replayed"] >= 1  # the dropped first batch came back by replay
@@ -146,6 +149,7 @@ def test_an_endpoint_in_use_fails_start_naming_the_setting():
 class _Index:
     def __init__(self, blocks):
         self.blocks, self.resync = blocks, [False] * len(blocks)
+        self.partial = [{} for _ in blocks]
 
 
 def test_a_full_queue_drops_the_batch_then_sends_a_snapshot_without_blocking(monkeypatch):
@@ -168,7 +172,7 @@ def test_a_full_queue_drops_the_batch_then_sends_a_snapshot_without_blocking(mon
 def test_the_wire_is_vllm_0_33s_encoding():
     """Positional batch, tagged-map events, every required field present (vLLM 0.33.0's msgspec options)."""
     events = [KVEvent(STORED, 2**64 - 1, None, tuple(range(B)), 0, "salt"), KVEvent(CLEARED)]
-    batch = kv_publisher.KVEventBatch(1.5, kv_publisher.wire_events(events, B, salt_label), 1)
+    batch = kv_publisher.KVEventBatch(1.5, kv_publisher.wire_events(events, B, salt_label, set()), 1)
     ts, evs, dp = msgspec.msgpack.decode(msgspec.msgpack.encode(batch))
     assert (ts, dp) == (1.5, 1)
     assert evs[0] == {"type": "BlockStored", "block_hashes": [2**64 - 1], "parent_block_hash": None,
@@ -185,10 +189,123 @@ def test_a_batch_is_byte_for_byte_what_vllms_structs_encode():
     events = [KVEvent(STORED, 2**64 - 5, None, tuple(range(B)), 0, None),
               KVEvent(STORED, 8, None, tuple(range(B)), 0, "salt"), KVEvent(MOVED, 8, tier=1),
               KVEvent(REMOVED, 8, tier=1), KVEvent(CLEARED)]
-    ours = msgspec.msgpack.encode(kv_publisher.KVEventBatch(1.25, kv_publisher.wire_events(events, B, salt_label), 1))
+    wire = kv_publisher.wire_events(events, B, salt_label, set())
+    ours = msgspec.msgpack.encode(kv_publisher.KVEventBatch(1.25, wire, 1))
     theirs = msgspec.msgpack.encode(vllm.KVEventBatch(1.25, [
         vllm.BlockStored([2**64 - 5], None, list(range(B)), B, None, "GPU", None, [None]),
         vllm.BlockStored([8], None, [], B, None, "GPU", None, [(salt_label("salt"),)]),
         vllm.BlockRemoved([8], "GPU"), vllm.BlockStored([8], None, [], B, None, "CPU", None, [None]),
         vllm.BlockRemoved([8], "CPU"), vllm.AllBlocksCleared()], 1))
     assert ours == theirs
+
+
+def _replay(dealer: zmq.Socket, frames: list[bytes]) -> list[list[bytes]] | None:
+    """Every message answered to one request up to the end marker, or None when nothing came in 2 s."""
+    dealer.send_multipart(frames)
+    got = []
+    try:
+        while True:
+            got.append(dealer.recv_multipart())
+            if got[-1][2] == kv_publisher.END_SEQ:
+                return got
+    except zmq.Again:
+        return None
+
+
+def test_no_replay_request_stops_the_publisher():
+    """The replay socket takes whatever any peer sends: starts past the buffer (2**63 and up once killed the
+    thread), frames of every count and size. Each gets the end marker alone or is dropped; the thread lives,
+    publishes and answers a good request after all of them."""
+    s = Settings(model="random", dp=1, kv_events_publisher="zmq", kv_events_endpoint="tcp://*:0",
+                 kv_events_replay_endpoint="tcp://*:0")
+    pub = KVEventPublisher(s.engine_config().kv_events, B, 1, _Index([{}]), salt_label)
+    pub.start()
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.RCVTIMEO = 2000
+    dealer.connect(pub.endpoints[0][1].replace("0.0.0.0", "127.0.0.1"))
+    try:
+        pub.publish(0, [KVEvent(STORED, 1, tokens=tuple(range(B)))])
+        assert pub.flush(5.0)
+        assert len(_replay(dealer, [b"", (0).to_bytes(8, "big")])) == 2  # the batch and the end marker
+        for start in (1, 2**63 - 1, 2**63, 2**64 - 1):
+            assert len(_replay(dealer, [b"", start.to_bytes(8, "big")])) == 1, start  # the end marker alone
+        garbage = [[], [b""], [b"x" * 9], [b"", b""], [b"", b"\x00" * 7], [b"", b"\x00" * 9],
+                   [b"", b"\x00" * 1000], [b"not empty", b"\x00" * 8], [b"", b"\x00" * 8, b"extra"]]
+        for frames in garbage:
+            if frames:
+                dealer.send_multipart(frames)
+        pub.publish(0, [KVEvent(STORED, 2, tokens=tuple(range(B)))])
+        assert pub.flush(5.0) and pub._thread.is_alive()
+        got = _replay(dealer, [b"", (0).to_bytes(8, "big")])  # answered after every bad request before it
+        assert [int.from_bytes(m[2], "big", signed=True) for m in got] == [0, 1, -1]
+        assert pub.bad_requests == len(garbage) - 1
+    finally:
+        dealer.close(0)
+        ctx.term()
+        pub.close()
+
+
+def test_partial_blocks_never_go_on_vllms_wire():
+    """vLLM stores only full blocks and its consumers take block_size tokens per hash: a partial block, its
+    moves and its removal stay off the wire; a snapshot leaves out the partial blocks the index holds."""
+    full, part = KVEvent(STORED, 1, tokens=tuple(range(B))), KVEvent(STORED, 2, parent=1, tokens=(1,) * 9)
+    partial: set[int] = set()
+    wire = kv_publisher.wire_events([full, part, KVEvent(MOVED, 2, tier=1), KVEvent(MOVED, 1, tier=1)], B,
+                                    salt_label, partial)
+    assert [(type(e).__name__, e.block_hashes) for e in wire] == [
+        ("BlockStored", [1]), ("BlockRemoved", [1]), ("BlockStored", [1])]
+    assert partial == {2}
+    wire = kv_publisher.wire_events([KVEvent(REMOVED, 2, tier=1), KVEvent(REMOVED, 1, tier=1)], B, salt_label,
+                                    partial)
+    assert [(type(e).__name__, e.block_hashes) for e in wire] == [("BlockRemoved", [1])] and not partial
+
+    index = KVIndex(1, 100, B)
+    index.apply(0, [KVEvent(CLEARED), full, part])
+    assert index.partial[0] == {2: 9}
+    s = Settings(model="random", dp=1, kv_events_publisher="zmq")
+    pub = KVEventPublisher(s.engine_config().kv_events, B, 1, index, salt_label)
+    events, seed = pub._snapshot(0)
+    assert [e.key for e in events if e.kind == STORED] == [1] and seed == {2}
+
+
+def test_engine_replicas_on_one_node_publish_on_their_own_ports():
+    """Replica R's group N is the fleet-wide dp rank R x dp + N: its port offset and its batches' rank."""
+    s = Settings(model="random", engine_replicas=3, dp=2, kv_events_publisher="zmq",
+                 kv_events_endpoint="tcp://*:6000", kv_events_replay_endpoint="tcp://*:6100")
+    assert [s.engine_config(r).kv_events.first_group for r in range(3)] == [0, 2, 4]
+    with pytest.raises(ValidationError, match="kv_events_replay_endpoint"):  # 6000..6005 meets 6004
+        Settings(model="random", engine_replicas=3, dp=2, kv_events_publisher="zmq",
+                 kv_events_endpoint="tcp://*:6000", kv_events_replay_endpoint="tcp://*:6004")
+    with pytest.raises(ValidationError, match="65535"):
+        Settings(model="random", engine_replicas=4, dp=2, kv_events_publisher="zmq",
+                 kv_events_endpoint="tcp://*:65530")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    s = Settings(model="random", engine_replicas=2, dp=1, kv_events_publisher="zmq",
+                 kv_events_endpoint=f"tcp://*:{port}")
+    pubs = [KVEventPublisher(s.engine_config(r).kv_events, B, 1, _Index([{}]), salt_label) for r in range(2)]
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.RCVTIMEO = 200
+    try:
+        for p in pubs:
+            p.start()  # the second replica once failed here: Address already in use
+        assert [p.endpoints[0][0].rpartition(":")[2] for p in pubs] == [str(port), str(port + 1)]
+        sub.connect(f"tcp://127.0.0.1:{port + 1}")
+        got = None
+        for _ in range(50):  # a SUB joins asynchronously: publish until it sees a batch (bounded)
+            pubs[1].publish(0, [KVEvent(STORED, 1, tokens=tuple(range(B)))])
+            try:
+                got = sub.recv_multipart()
+                break
+            except zmq.Again:
+                continue
+        assert got is not None and msgspec.msgpack.decode(got[2])[2] == 1  # replica 1's group 0: rank 1
+    finally:
+        sub.close(0)
+        ctx.term()
+        for p in pubs:
+            p.close()
