@@ -26,6 +26,7 @@ from kvcache.events import CLEARED, MOVED, REMOVED, STORED, KVEvent
 
 MEDIUM = ("GPU", "CPU")
 LISTEN_S = 30.0
+MAX_SEQ_DIGITS = 20  # an event count fits in 64 bits: 20 decimal digits
 
 
 def vllm_event(ev: KVEvent, dp: int, block_size: int, ts: float) -> list[dict[str, Any]]:
@@ -111,9 +112,12 @@ class KVEventStream:
         return f"{self.incarnation}-{seq}"
 
     def _seq_of(self, after: str | None) -> int | None:
-        """The seq of an id of this incarnation; None for no id, another incarnation's, or a malformed one."""
+        """The seq of an id of this incarnation; None for no id, another incarnation's, or a malformed one (one
+        longer than any seq this stream can reach is malformed too: Python refuses int() of 4,300+ digits)."""
         incarnation, _, seq = str(after).partition("-")
-        return int(seq) if incarnation == self.incarnation and seq.isascii() and seq.isdigit() else None
+        if incarnation != self.incarnation or not (seq.isascii() and seq.isdigit()) or len(seq) > MAX_SEQ_DIGITS:
+            return None
+        return int(seq)
 
     def _snapshot(self) -> list[tuple[str, dict]]:
         """The index now, as of the newest id (it already holds what every buffered event did)."""

@@ -69,11 +69,12 @@ def test_an_id_from_a_replaced_engine_resyncs_even_once_the_new_one_passed_it(se
 
 
 def test_kv_events_resyncs_an_id_it_cannot_resume_from(server):
-    """Another engine's id (a replaced replica's), an integer id or garbage: a resync, as for a new client."""
+    """Another engine's id (a replaced replica's), an integer id, garbage, or this incarnation's with a seq of
+    5,000 digits (past what int() converts): a resync, as for a new client."""
     stream = server.engine.kv_stream
     stream.publish(0, [KVEvent(STORED, 40)])
     with httpx.Client(base_url=server.url, timeout=10) as c:
-        for stale in ("0123456789ab-1", str(stream.seq - 1), "seven"):
+        for stale in ("0123456789ab-1", str(stream.seq - 1), "seven", f"{stream.incarnation}-{'9' * 5000}"):
             with c.stream("GET", "/kv_events", headers={"Last-Event-ID": stale}) as resp:
                 assert resp.status_code == 200
                 got = _events(resp, 1)
