@@ -6,8 +6,10 @@ event and the /stats list are built from the same text). The mirror starts from 
 buffered record and then follows `wait_records`, so it holds exactly records the aggregator emitted, in order.
 What only the aggregator knows (per-rank detail, rank health, Prometheus text) is asked of it directly;
 /metrics is cached for `metrics_ttl_s` so that scrapers from several Prometheus replicas share one call.
-After a failed call the mirror resyncs: an aggregator that answers with another history (a fresh actor numbering
-from 0 again, or iterations that went backwards) replaces the mirror's records, and `generation` counts that.
+After a failed call the mirror resyncs from its own head: it asks the aggregator for its newest record alone
+(a `wait_records(-1)` answer is capped to the oldest records, so it cannot tell). Found as it was, the mirror
+goes on after it and readers get no repeat; an aggregator with another history (a fresh actor numbering from 0
+again, or iterations that went backwards) replaces the mirror's records, and `generation` counts that.
 """
 
 from __future__ import annotations
@@ -92,12 +94,7 @@ class StatsMirror:
         while True:
             try:
                 self.upstream_calls += 1
-                if not self._primed.is_set():
-                    records = await self.upstream.query(-1, None, False)
-                elif self._resync:  # everything it holds, as soon as it holds something
-                    records = await self.upstream.wait_records(-1, self.keepalive_s)
-                else:
-                    records = await self.upstream.wait_records(self._head, self.keepalive_s)
+                records = await self._next_records()
                 failures = 0
             except asyncio.CancelledError:
                 raise
@@ -108,10 +105,6 @@ class StatsMirror:
                 await asyncio.sleep(min(5.0, 0.1 * 2**failures))  # backoff before calling it again
                 continue
             self._primed.set()
-            if self._resync and records:
-                self._resync = False
-                if self._other_history(records):
-                    self._restart_history()
             fresh = [r for r in records if r["iter"] > self._head]
             for r in fresh:
                 self._records.append(_entry(r))
@@ -119,16 +112,45 @@ class StatsMirror:
                 self._head = fresh[-1]["iter"]
                 self._changes.notify()
 
-    def _other_history(self, records: list[dict]) -> bool:
-        """Whether the aggregator's buffer is not the continuation of ours: our newest record is there with
-        another timestamp, or its newest is older than ours (the client's `same_history` rule)."""
+    async def _next_records(self) -> list[dict]:
+        """The aggregator's whole buffer at first, then each long poll's records after our head; after a failed
+        call, the history is checked first."""
+        if not self._primed.is_set():
+            return await self.upstream.query(-1, None, False)
+        if self._resync:
+            return await self._resynced()
+        return await self.upstream.wait_records(self._head, self.keepalive_s)
+
+    async def _resynced(self) -> list[dict]:
+        """After a failed call: the records after our head when the aggregator still has our history (readers
+        get no repeat), else, once it holds something, its history from its oldest record."""
+        same = await self._same_history()
+        if same is None:  # nothing at or after our head: anything it holds is another history
+            records = await self.upstream.wait_records(-1, self.keepalive_s)
+            if records:
+                self._resync = False
+                self._restart_history()
+            return records
+        self._resync = False
+        if not same:
+            self._restart_history()
+        return await self.upstream.wait_records(self._head, self.keepalive_s)
+
+    async def _same_history(self) -> bool | None:
+        """Whether the aggregator continues our history (the client's `same_history` rule): it holds our newest
+        record with the same timestamp, or buffers only records after it (it moved past our head: nothing to
+        contradict ours). None when it holds nothing at or after our head (empty, or iterations went back).
+        Our record is asked for alone: a `wait_records(-1)` answer is capped to the oldest records."""
         mine = self._records.latest()
         if mine is None:
-            return False
-        same = next((r for r in records if r["iter"] == self._head), None)
-        if same is not None:
-            return same.get("timestamp") != mine["record"].get("timestamp")
-        return records[-1]["iter"] < self._head
+            return True
+        got = await self.upstream.query(self._head - 1, 1, False)
+        if not got:
+            return None
+        if got[0]["iter"] == self._head:
+            return _identity(got[0]) == _identity(mine["record"])
+        oldest = await self.upstream.query(-1, 1, False)  # a same history misses our record only past its oldest
+        return bool(oldest) and oldest[0]["iter"] > self._head
 
     def _restart_history(self) -> None:
         logger.warning("stats mirror: the aggregator has another history (newest %d here): following it afresh",
@@ -223,6 +245,11 @@ class StatsMirror:
 
     async def health(self) -> dict[str, Any]:
         return {**await self.upstream.health(), "mirrored": len(self._records), "subscribers": self.subscribers}
+
+
+def _identity(record: dict) -> tuple:
+    """What tells a record from another history's record of the same iteration."""
+    return record.get("engineId"), record.get("timestamp")
 
 
 def _entry(record: dict) -> dict:

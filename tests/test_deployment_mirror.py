@@ -3,6 +3,7 @@
 import asyncio
 import json
 
+from aggregator.actor import WAIT_LIMIT
 from deployment.mirror import StatsMirror
 from deployment.sse import SSEDecoder
 
@@ -126,6 +127,112 @@ def test_an_interval_never_holds_back_a_backlog():
         await asyncio.wait_for(read(), 5)  # not 10 s: full chunks are a reader behind, the next goes at once
         assert [len(w) for w in writes] == [1000, 1000, 500]
         assert [i for w in writes for i in w] == list(range(2500))
+        await mirror.close()
+
+    asyncio.run(body())
+
+
+
+class CappedUpstream(Upstream):
+    """As the actor: a `wait_records` answer holds at most WAIT_LIMIT records, the oldest. `fail`: the next
+    `wait_records` answers fail (the long poll in flight too)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.fail = 0
+        self.replace(range(n), "a")
+
+    def replace(self, iters, stamp: str) -> None:
+        """The aggregator's buffer: these iterations, stamped `stamp` (another stamp is another history)."""
+        self.records = [{"iter": i, "timestamp": f"{stamp}{i}"} for i in iters]
+
+    async def wait_records(self, since, timeout_s):
+        got = await super().wait_records(since, timeout_s)
+        if self.fail:
+            self.fail -= 1
+            raise ConnectionError("a transient failure")
+        return got[:WAIT_LIMIT]
+
+
+async def _until(cond) -> None:
+    for _ in range(500):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("timed out")
+
+
+async def _caught_up(up: CappedUpstream) -> StatsMirror:
+    mirror = StatsMirror(up, keepalive_s=0.2)
+    await mirror.ready()
+    await _until(lambda: mirror.entries(-1, None)[-1]["record"] is up.records[-1])
+    return mirror
+
+
+def _mirrored(mirror: StatsMirror) -> list[dict]:
+    return [e["record"] for e in mirror.entries(-1, None)]
+
+
+def test_a_failed_call_against_the_same_history_repeats_nothing():
+    """A resync once took the capped oldest page of `wait_records(-1)` for another history: it dropped the
+    mirror's records, and readers got the whole buffer again."""
+    async def body():
+        n = 3 * WAIT_LIMIT
+        up = CappedUpstream(n)
+        mirror = await _caught_up(up)
+        got: list[int] = []
+
+        async def read() -> None:
+            async for chunk in mirror.events(n - 1):
+                got.extend(int(line[4:]) for line in chunk.split("\n") if line.startswith("id: "))
+
+        task = asyncio.create_task(read())
+        await asyncio.sleep(0.05)
+        up.fail = 1
+        up.emit()  # wakes the long poll in flight, which fails
+        await _until(lambda: got)
+        await asyncio.sleep(0.3)  # anything repeated would follow
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert got == [n] and mirror.generation == 0
+        assert _mirrored(mirror) == up.records
+        await mirror.close()
+
+    asyncio.run(body())
+
+
+def test_a_resync_follows_another_history_whatever_the_answer_cap():
+    """Our newest record under another timestamp, no record at or after it, or it gone while older ones
+    remain: another history, followed from its oldest record."""
+    n = 3 * WAIT_LIMIT
+
+    async def body(iters) -> None:
+        up = CappedUpstream(n)
+        mirror = await _caught_up(up)
+        up.replace(iters, "b")
+        up.fail = 1
+        up.emit()
+        await _until(lambda: mirror.generation and _mirrored(mirror) == up.records)
+        assert mirror.generation == 1
+        await mirror.close()
+
+    for iters in (range(n), range(n - 1000), [*range(n - 1), n + 5]):
+        asyncio.run(body(iters))
+
+
+def test_an_aggregator_past_our_head_continues_our_history():
+    """It no longer buffers our newest record, only newer ones (its buffer wrapped, or a restart restored its
+    newest): nothing contradicts ours, so the mirror goes on after its head."""
+    async def body():
+        n = 3 * WAIT_LIMIT
+        up = CappedUpstream(n)
+        mirror = await _caught_up(up)
+        mine = _mirrored(mirror)
+        up.replace(range(n + 100, n + 1500), "a")
+        up.fail = 1
+        up.emit()
+        await _until(lambda: _mirrored(mirror)[-1] is up.records[-1])
+        assert mirror.generation == 0 and _mirrored(mirror) == mine + up.records
         await mirror.close()
 
     asyncio.run(body())
