@@ -3,8 +3,9 @@
 `api_keys` (a comma-separated list, or `@path` to a file with one key per line, `#` comments allowed, a UTF-8
 BOM ignored) guards every route but OPEN_ROUTES: /health and the dashboard page and its scripts, which carry no
 data (the page sends the key with its own data requests). /docs, /openapi.json and unknown paths need a key
-too. `/metrics` also accepts `metrics_api_key`, so Prometheus can scrape with its own bearer token. With no
-keys set every route is open.
+too. The Prometheus paths (METRICS_ROUTES: `/metrics` and trtllm-serve's `/trtllm/prometheus/metrics`) also
+accept `metrics_api_key`, so Prometheus can scrape with its own bearer token. With no keys set every route is
+open.
 
 KeyGuard is ASGI middleware, so the key is checked before anything reads the body: a request without a valid
 key learns nothing of its body's validity. The token is taken as the bytes the client sent (Starlette would
@@ -22,6 +23,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from deployment.errors import APIError, error_response
 
 OPEN_ROUTES = ("/health", "/dashboard", "/dashboard/assets/{name}")
+METRICS_ROUTES = ("/metrics", "/trtllm/prometheus/metrics")  # the same Prometheus text: both take the scrape key
 BEARER_SCHEME = {"type": "http", "scheme": "bearer", "description": "one of the API keys (`KVFLEET_API_KEYS`)"}
 _CHALLENGE = {"WWW-Authenticate": "Bearer"}
 
@@ -98,7 +100,7 @@ class KeyGuard:
         """The keys a route takes (an empty KeyCheck when it is open)."""
         if is_open(path):
             return KeyCheck(())
-        return self._metrics if path == "/metrics" else self._data
+        return self._metrics if path in METRICS_ROUTES else self._data
 
     def wrap(self, app: ASGIApp) -> ASGIApp:
         async def guarded(scope: Scope, receive: Receive, send: Send) -> None:

@@ -167,8 +167,9 @@ def stats_router(stats: FleetStats, world_size: int) -> APIRouter:
 
 
 def metrics_router(fleet: FleetStats) -> APIRouter:
-    """/metrics alone: it takes the scrape key as well as the API keys (routes.py). With several engines, every
-    engine's series labelled `engine`, plus the fleet totals (deployment/fleet_metrics.py)."""
+    """/metrics and its trtllm-serve path: they take the scrape key as well as the API keys (auth.py
+    METRICS_ROUTES). With several engines, every engine's series labelled `engine`, plus the fleet totals
+    (deployment/fleet_metrics.py)."""
     router = APIRouter(tags=["statistics"])
     stats = fleet.single or fleet
 

@@ -54,6 +54,18 @@ def test_health_stays_open_and_metrics_take_the_scrape_key(keyed):
             assert resp.status_code == 401
 
 
+@pytest.mark.parametrize("path", ["/metrics", "/trtllm/prometheus/metrics"])
+def test_both_prometheus_paths_take_the_scrape_key(keyed, path):
+    """The trtllm-serve path serves the same text, so a scrape job may use either (it once took data keys only)."""
+    with httpx.Client(base_url=keyed.url, timeout=10) as c:
+        assert _call(c, "GET", path, None, SCRAPE).status_code == 200
+        assert _call(c, "GET", path, None, "key-one").status_code == 200
+        _assert_openai_error(_call(c, "GET", path, None, None), 401, "missing_api_key")
+        _assert_openai_error(_call(c, "GET", path, None, "nope"), 401, "invalid_api_key")
+        records = _call(c, "GET", "/trtllm/metrics", None, SCRAPE)  # the records stay behind the data keys
+        _assert_openai_error(records, 401, "invalid_api_key")
+
+
 def test_a_keyless_request_is_refused_before_its_body_is_read(keyed):
     """A bad body is a 401 without a key (it learns nothing of the body), a 400 with one."""
     with httpx.Client(base_url=keyed.url, timeout=10) as c:
