@@ -133,7 +133,8 @@ class FleetStats:
         after = dict(pos)
         for eid, e in page:
             after[eid] = e["iter"]
-        return "[" + ",".join(e["json"] for _, e in page) + "]", after if len(got) > limit else None
+        more = bool(page) and len(got) > limit  # an empty page (limit 0) moves nowhere: no Link, as one engine
+        return "[" + ",".join(e["json"] for _, e in page) + "]", after if more else None
 
     async def records(self, pos: dict[str, int], limit: int | None) -> list[dict]:
         await self._ready()

@@ -83,6 +83,15 @@ def test_merged_pages_follow_the_vector_cursor(fleet, http):
         assert "engine-0-0:812" in err["message"] or "cursor" in err["message"]
 
 
+def test_an_empty_merged_page_names_no_next_page(fleet, http):
+    """limit=0 once linked to its own position: a client following rel="next" looped forever."""
+    _fill(fleet, 3, 3)
+    _caught_up(fleet, http)
+    for params in ({"limit": 0}, {"limit": 0, "since": f"{A}:1,{B}:0"}, {"limit": 0, "engine": A}):
+        resp = http.get("/stats", params=params)
+        assert resp.status_code == 200 and resp.json() == [] and "link" not in resp.headers, params
+
+
 def test_engine_filter_reads_one_engine_as_today(fleet, http):
     _fill(fleet, 4, 3)
     _caught_up(fleet, http)
