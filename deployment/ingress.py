@@ -26,10 +26,10 @@ from ray.serve.handle import DeploymentHandle
 
 from deployment.fleet import FleetStats
 from deployment.fleet_routing import FleetFollower, Routed, fleet_view
-from deployment.resend import ADMISSION_TIMEOUT_S, resending
+from deployment.resend import resending
 from deployment.routes import create_api
 from deployment.settings import Settings
-from engine.errors import EngineError, RequestError, RequestFailed, check_request
+from engine.errors import RETRY_AFTER_DOWN_S, EngineError, RequestError, RequestFailed, check_request
 
 logger = logging.getLogger("kvfleet.deployment")
 
@@ -199,9 +199,10 @@ class EngineClient:
 
     async def generate(self, request_id: str | None, prompt_token_ids: list[int], params: Any,
                        cache_salt: str | None = None) -> AsyncIterator[Any]:
-        """None once the engine admitted the request, then its token events. An engine replica that does not
-        admit it within ADMISSION_TIMEOUT_S (it is being replaced: Serve queues the call) is a 503; one that
-        dies (or cannot be reached) mid-stream gets it re-sent, prompt + tokens so far (deployment/resend.py)."""
+        """None once the engine admitted the request, then its token events. A request waits for a replica to
+        admit it up to `placement_timeout_s`, whether it is new (no replica is up: Serve queues the call while
+        one starts) or re-sent after its replica died or could not be reached mid-stream (prompt + tokens so
+        far, deployment/resend.py); then it is a 503."""
 
         text = self.tokenizer.decode(prompt_token_ids) if self.routing == "prefix_affinity" else None
 
@@ -212,7 +213,7 @@ class EngineClient:
                 routed = Routed(text) if text is not None else None
             return self._stream.generate.remote(rid, prompt, left, cache_salt, drawn, routed)
 
-        events = resending(send, request_id, prompt_token_ids, params, ADMISSION_TIMEOUT_S, self.resend_s)
+        events = resending(send, request_id, prompt_token_ids, params, self.resend_s, self.resend_s)
         try:
             async for ev in events:
                 yield ev
@@ -257,7 +258,7 @@ def _engine_error(e: Exception) -> Exception:
         return e.cause if isinstance(cause, _ENGINE_ERRORS) else e
     if isinstance(cause, _ENGINE_ERRORS):
         return cause
-    return EngineError(f"the engine replica is unavailable ({type(e).__name__})", ADMISSION_TIMEOUT_S)
+    return EngineError(f"the engine replica is unavailable ({type(e).__name__})", RETRY_AFTER_DOWN_S)
 
 
 @serve.deployment(

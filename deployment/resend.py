@@ -38,9 +38,6 @@ from engine.errors import RETRY_AFTER_DOWN_S, EngineError
 
 logger = logging.getLogger("kvfleet.deployment")
 
-# how long the ingress waits for the engine replica to admit a new request: longer means it is being replaced
-ADMISSION_TIMEOUT_S = 10.0
-
 # the pause between re-sends (doubling): Serve itself waits for a replica to route to, so this only paces a
 # replica that keeps failing as soon as it is called (say, one that is unreachable)
 RESEND_BACKOFF_S = (0.05, 1.0)
@@ -68,8 +65,9 @@ def with_seed(params: Any) -> Any:
 async def resending(send: Send, request_id: str | None, prompt: list[int], params: Any, admission_s: float,
                     resend_s: float, lost: Callable[[BaseException], bool] = replica_lost) -> AsyncIterator[Any]:
     """None once a replica admitted the request, then its token events, re-sent while replicas die. The first
-    admission has `admission_s` (no response has started: a 503 is honest); a request whose replica was lost
-    after admitting it has `resend_s` from the loss to be admitted again, else EngineError (a 503)."""
+    admission has `admission_s` (the ingress gives it `placement_timeout_s`, as a re-send: one rule for a
+    request waiting for a replica); a request whose replica was lost after admitting it has `resend_s` from the
+    loss to be admitted again, else EngineError (a 503)."""
     params = with_seed(params)
     got: list[int] = []
     deadline = time.monotonic() + admission_s

@@ -77,8 +77,9 @@ class Settings(BaseSettings):
         256, ge=1, description="requests waiting for a place in the engine; beyond it new requests get 429"
     )
     placement_timeout_s: float = Field(
-        30.0, gt=0, description="how long a request waits for a dp group to come back up, or (re-sent by the "
-        "ingress after its engine replica died) for a replica to take it again, before it gets 503"
+        30.0, gt=0, description="how long a request waits for a dp group to come back up, or for an engine "
+        "replica to take it (a new request while none is up, or one re-sent by the ingress after its replica "
+        "died), before it gets 503"
     )
     max_group_restarts: int = Field(
         3, ge=0, description="restarts of a dp group in a row (without serving a request) before it stays down"

@@ -169,6 +169,30 @@ def test_a_lost_request_that_no_replica_takes_in_time_is_a_503(monkeypatch):
     run(main())
 
 
+def test_a_new_request_waits_placement_timeout_s_for_a_replica_as_a_re_sent_one_does():
+    """No replica is up (Serve queues the call while one starts): the request is admitted when one comes, well
+    past the old fixed 10 s when the setting says so, and is a 503 naming the setting's time otherwise."""
+    async def main():
+        class Late:  # the replacement replica comes up after `after` seconds and admits the request then
+            def __init__(self, engine, after: float) -> None:
+                self.engine, self.after = engine, after
+
+            async def generate(self, *args, **kwargs):
+                await asyncio.sleep(self.after)
+                async for ev in self.engine.generate(*args, **kwargs):
+                    yield ev
+
+        ref = await tokens(client(Handle([await make_engine()])).generate("a", PROMPT, SamplingParams(**GREEDY)))
+        handle = Handle([Late(await make_engine(), 0.5)])
+        got = await tokens(client(handle, resend_s=2.0).generate("b", PROMPT, SamplingParams(**GREEDY)))
+        assert got == ref and len(handle.calls) == 1
+        handle = Handle([Late(await make_engine(), 5.0)])
+        with pytest.raises(EngineError, match="did not answer within 0.2 s"):
+            await tokens(client(handle, resend_s=0.2).generate("c", PROMPT, SamplingParams(**GREEDY)))
+
+    run(main())
+
+
 def test_the_first_admission_keeps_its_own_timeout(monkeypatch):
     async def main():
         monkeypatch.setattr(resend, "RESEND_BACKOFF_S", (0.01, 0.02))
