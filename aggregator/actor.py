@@ -6,8 +6,10 @@ cluster records read by cursor (`query`, never removing anything), a long poll f
 (`wait_records`), rank health, Prometheus text, and surviving its own restart:
 - Ray restarts it (`max_restarts=-1`) and retries the call in flight (`max_task_retries=-1`);
 - before replying, `ingest` writes a small checkpoint to Ray's GCS key-value store (epoch, last emitted
-  iteration, the cumulative totals), and the reply acknowledges only what that checkpoint covers; the
-  registered layouts are stored there too, once per registration;
+  iteration, the cumulative totals), and the reply acknowledges only what that checkpoint covers: a write that
+  fails undoes the emission (the call fails, the engine's retry finds the iterations new, not duplicates), so
+  nothing is emitted, published or acknowledged that is not saved; the registered layouts are stored there
+  too, once per registration (the live incarnations' and those the kept rank details name: see Assembler);
 - a restarted actor (same actor id) restores both, with `aggregatorEpoch` one higher; the engine sees the new
   epoch in a reply and re-sends every iteration not yet acknowledged. The cumulative `kvCacheStats` continue
   from the checkpoint, so they never go backwards; the newest records are checkpointed too (a ring of
@@ -160,7 +162,11 @@ class StatsAggregatorImpl:
         self._check_session(session)
         if session is None:
             self.session += 1
-            self._save_state()
+            try:
+                self._save_state()
+            except BaseException:
+                self.session -= 1  # not saved, not attached: the engine retries the attach
+                raise
             log.info("stats aggregator %s: engine session %d attached after iteration %s", self.engine_id,
                      self.session, self.asm.last_emitted)
         self.asm.register(layouts)
@@ -182,34 +188,63 @@ class StatsAggregatorImpl:
         self.asm.check(iterations)  # a bad batch is refused whole, before anything is counted
         for start in range(0, len(iterations), TAIL_RECORDS):
             chunk = iterations[start:start + TAIL_RECORDS]
-            records = self.asm.ingest(chunk)
+            records = self._emit_saved(chunk)
             if records:
-                self._reported_stats = records[-1]["kvCacheStats"]
-                self._save_tail(records)  # before the state: what the state covers is always restorable
                 self._publish(records, chunk)
-                self._save_state()
         return self._reply()
 
-    def _publish(self, records: list[dict[str, Any]], iterations: list[Iteration]) -> None:
-        deltas = {it.iteration: it.deltas for it in iterations}
+    def _emit_saved(self, chunk: list[Iteration]) -> list[dict[str, Any]]:
+        """The chunk's new records, counted and checkpointed. A failed write undoes all of it (and raises): the
+        engine's retry must find these iterations new, or they would be acked as duplicates, never recorded."""
+        undo = self._undo_point()
+        try:
+            records = self.asm.ingest(chunk)
+            if records:
+                self._account(records, chunk)
+                self._save_tail(records)  # before the state: what the state covers is always restorable
+                self._save_state()
+        except BaseException:
+            self._undo(undo)
+            raise
+        return records
+
+    def _undo_point(self) -> tuple:
+        """What an emission changes before its save: O(ranks + metric series), never the records or layouts."""
+        totals = {view: {key: dict(t) for key, t in by_key.items()} for view, by_key in self.totals.items()}
+        return self.asm.snapshot(), totals, self.completed, self.vllm.to_state()
+
+    def _undo(self, point: tuple) -> None:
+        snap, self.totals, self.completed, vllm = point
+        self.asm.rollback(snap)
+        self.vllm.restore(vllm)
+
+    def _account(self, records: list[dict[str, Any]], iterations: list[Iteration]) -> None:
+        """The checkpointed sums over the records (vLLM's families, per-window and pool-group totals, completed)."""
         by_iter = {it.iteration: it for it in iterations}
         for rec in records:
             self.vllm.observe(by_iter[rec["iter"]], self.asm.layouts)
-            if self.rank_detail_records:
-                self.details[rec["iter"]] = deltas[rec["iter"]]
-                while len(self.details) > self.rank_detail_records:
-                    self.details.popitem(last=False)
             for view in (WINDOW_VIEW, POOL_VIEW):
                 totals = self.totals[view]
                 for key, bucket in rec[view].items():
                     t = totals.setdefault(key, dict.fromkeys(VIEW_COUNTERS[view], 0))
                     for f in VIEW_COUNTERS[view]:
                         t[f] += bucket[f]
+            self.completed += rec["numCompletedRequests"]
+
+    def _publish(self, records: list[dict[str, Any]], iterations: list[Iteration]) -> None:
+        """Saved records to readers: the buffer, rank details, this epoch's routing sums; then the layouts that
+        no kept detail names are forgotten."""
+        deltas = {it.iteration: it.deltas for it in iterations}
+        self._reported_stats = records[-1]["kvCacheStats"]
+        for rec in records:
+            if self.rank_detail_records:
+                self.details[rec["iter"]] = deltas[rec["iter"]]
+                while len(self.details) > self.rank_detail_records:
+                    self.details.popitem(last=False)
             if rec["tpDivergence"]:
                 log.error("iteration %d: %d tp divergences", rec["iter"], len(rec["tpDivergence"]))
             if rec["errors"]:
                 log.warning("iteration %d: %s", rec["iter"], rec["errors"][0])
-            self.completed += rec["numCompletedRequests"]
             routing = rec.get("routing")
             if routing:
                 for k in ROUTING_COUNTERS:
@@ -217,6 +252,7 @@ class StatsAggregatorImpl:
                 for dp, n in enumerate(routing.get("perGroupRequests", ())):
                     self.routed_per_group[str(dp)] = self.routed_per_group.get(str(dp), 0) + n
             self.buffer.append(rec)
+        self.asm.forget_layouts(next(iter(self.details)) if self.details else None)
         self._changes.notify()
 
     # ---------------------------------------------------------------- readers

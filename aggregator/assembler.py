@@ -20,7 +20,9 @@ counters (the chaos soak's iteration 14655, 20 blocks). Every rank's last snapsh
 
 from __future__ import annotations
 
+import copy
 import time
+from collections import deque
 from datetime import UTC, datetime
 from typing import Any
 
@@ -82,6 +84,12 @@ class Cumulative:
             self.tokens_per_block = int(kv_stats[_TPB]) or self.tokens_per_block
         self.last[key] = counters
 
+    def snapshot(self) -> Cumulative:
+        """A copy to roll back to: O(ranks), since `update` replaces the lists it keeps, never changes them."""
+        other = copy.copy(self)
+        other.last, other.gauges = dict(self.last), dict(self.gauges)
+        return other
+
     def stats(self) -> dict[str, Any]:
         self.floor = [max(a, b) for a, b in zip(self.floor, self.total, strict=True)]
         gauges = [sum(g[i] for g in self.gauges.values()) for i in range(len(_GAUGES))]
@@ -103,7 +111,12 @@ class Cumulative:
 
 
 class Assembler:
-    """Registered layouts, the last emitted iteration, counts, and the record builder."""
+    """Registered layouts, the last emitted iteration, counts, and the record builder.
+
+    A rank's incarnations registered before the one that reports never report again: their layouts are
+    superseded then, and forgotten once no kept rank detail names them (`forget_layouts`), so the layouts (and
+    their checkpoint) stay bounded by the live ranks plus the detail window, whatever the number of restarts.
+    """
 
     def __init__(self, engine_id: str, world_size: int, tp: int, epoch: int = 1) -> None:
         self.engine_id, self.world_size, self.tp, self.epoch = engine_id, world_size, tp, epoch
@@ -114,6 +127,8 @@ class Assembler:
         self.counts = dict.fromkeys(COUNT_KEYS, 0)
         self.latest: dict[int, tuple[RankDelta, int, float]] = {}  # rank -> (delta, iteration, wall time)
         self.missing: tuple[int, ...] = ()  # of the newest record
+        # (iteration, keys): layouts superseded when that iteration was emitted, oldest first
+        self.superseded: deque[tuple[int, list[tuple[int, str]]]] = deque()
 
     def register(self, layouts: list[RankLayout]) -> None:
         """A rank's layout, once per incarnation (a new incarnation replaces the old one)."""
@@ -169,6 +184,9 @@ class Assembler:
                 refs[lay.dp_rank] = lay
         for lay, d in accepted:
             self.cumulative.update(lay, lay.parts(d.row)[2], refs[lay.dp_rank] is lay)
+            held = self.latest.get(d.rank)
+            if held is None or held[0].incarnation != d.incarnation:
+                self._supersede(lay, it.iteration)
             self.latest[d.rank] = (d, it.iteration, now)
         reported = sorted(d.rank for _, d in accepted)
         missing = sorted(set(range(self.world_size)) - set(reported))
@@ -203,6 +221,37 @@ class Assembler:
             "iterCachedTokensByLevel": [s[f"iterCachedTokensLevel{level}"] for level in range(len(tiers))],
             **routing,
         }
+
+    def _supersede(self, lay: RankLayout, iteration: int) -> None:
+        """`lay`'s incarnation reports first in `iteration`: the rank's ones registered before it are dead (rare:
+        once per rank restart, so the scan of the bounded layouts is fine)."""
+        keys = list(self.layouts)
+        older = [k for k in keys[:keys.index((lay.rank, lay.incarnation))] if k[0] == lay.rank]
+        if older:
+            self.superseded.append((iteration, older))
+
+    def forget_layouts(self, oldest_kept: int | None) -> None:
+        """Drop the superseded layouts that no kept rank detail can name: those superseded at or before
+        `oldest_kept`, the oldest iteration whose deltas are kept (None: none kept). Only once the emission is
+        saved: `snapshot` does not cover the layouts."""
+        while self.superseded and (oldest_kept is None or self.superseded[0][0] <= oldest_kept):
+            for key in self.superseded.popleft()[1]:
+                held = self.latest.get(key[0])
+                if held is None or held[0].incarnation != key[1]:
+                    self.layouts.pop(key, None)
+
+    def snapshot(self) -> dict[str, Any]:
+        """What `ingest` changes, to undo an emission whose checkpoint write failed: O(ranks), no records."""
+        return {"last_emitted": self.last_emitted, "counts": dict(self.counts), "latest": dict(self.latest),
+                "missing": self.missing, "cumulative": self.cumulative.snapshot(),
+                "superseded": len(self.superseded)}
+
+    def rollback(self, snap: dict[str, Any]) -> None:
+        """Back to `snap`, as if the emissions after it never happened."""
+        while len(self.superseded) > snap["superseded"]:
+            self.superseded.pop()
+        self.last_emitted, self.counts, self.latest = snap["last_emitted"], snap["counts"], snap["latest"]
+        self.missing, self.cumulative = snap["missing"], snap["cumulative"]
 
     def rank_record(self, d: RankDelta, iteration: int) -> dict[str, Any]:
         """A rank's own record (a cluster record's `ranks` entries, /stats/ranks)."""

@@ -5,10 +5,11 @@ scrape, so nothing here holds state and nothing is double-registered across acto
 is the list of every series (the Grafana dashboard and the k8s monitoring manifests read it).
 
 Sources: cluster cumulative counters (`kvfleet_kv_cache_*_total` without labels) come from the cluster
-`kvCacheStats`, which never goes backwards. Per-window / per-pool-group counters are sums over the records
-this aggregator epoch emitted (they restart at 0 with the aggregator: a counter reset to Prometheus).
-Gauges come from the newest record. Per-rank series come from each rank's newest message and restart with
-the rank's incarnation.
+`kvCacheStats`, which never goes backwards. Per-window / per-pool-group counters are sums over every record
+emitted, saved with the aggregator's checkpoint: a restarted aggregator continues them (no counter reset), as
+it does the record counts and completed requests; only the routing sums are this epoch's. Gauges come from
+the newest record. Per-rank series come from each rank's newest message and restart with the rank's
+incarnation.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ METRICS: list[tuple[str, str, tuple[str, ...], str]] = [
        f"sum of {f} per pool group") for f in VIEW_COUNTERS[POOL_VIEW]],
     ("kvfleet_kv_cache_pool_group_blocks", "gauge", ("pool_group", "tier", "state"),
      "block gauges per pool group from the newest record (peak_* summed: an upper bound)"),
-    ("kvfleet_stats_iterations_total", "counter", (), "cluster records emitted by this aggregator epoch"),
+    ("kvfleet_stats_iterations_total", "counter", (), "cluster records emitted (continued over aggregator restarts)"),
     ("kvfleet_stats_incomplete_records_total", "counter", (), "records emitted with missing ranks"),
     ("kvfleet_stats_late_deltas_total", "counter", (), "rank deltas folded into a later record"),
     ("kvfleet_stats_tp_divergences_total", "counter", (), "block fields where a tp rank disagreed with tp rank 0"),

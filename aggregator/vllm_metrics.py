@@ -93,12 +93,16 @@ class VllmMetrics:
 
     # ---- state ---------------------------------------------------------------------------------------------
     def to_state(self) -> dict[str, Any]:
+        """A copy (`observe` changes the dicts and lists in place): the checkpoint's, and what a failed save
+        rolls back to. O(series)."""
         return {"model_name": self.model_name, "max_model_len": self.max_model_len,
-                "engines": {dp: {"c": e.counters, "g": e.gauges, "host": e.host,
-                                 "h": {n: (h.edges, h.counts, h.sum) for n, h in e.hists.items()}}
+                "engines": {dp: {"c": dict(e.counters), "g": dict(e.gauges), "host": e.host,
+                                 "h": {n: (h.edges, list(h.counts), h.sum) for n, h in e.hists.items()}}
                             for dp, e in self.engines.items()}}
 
     def restore(self, state: dict[str, Any] | None) -> None:
+        """Back to a `to_state()` (none: as new)."""
+        self.engines = {}
         if not state:
             return
         self.model_name, self.max_model_len = state["model_name"], state["max_model_len"]

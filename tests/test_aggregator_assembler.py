@@ -141,3 +141,27 @@ def test_checkpoint_round_trip_keeps_every_tp_ranks_last_snapshot():
     again.restore(asm.checkpoint(), cluster.layouts)
     records += again.ingest([cluster.iteration(3, missing={0})])
     assert _conserved(records, before) == []
+
+
+def test_a_superseded_incarnations_layout_is_forgotten_once_no_kept_detail_names_it():
+    # repro 07 at the assembler: a rank's incarnations registered before the one that reports never report again;
+    # their layouts go once the rank details kept (here the last 3 iterations) no longer name them
+    cluster = FakeCluster(2, 2, seed=2)
+    asm = assembler(cluster)
+    asm.ingest([cluster.iteration(0)])
+    old = {(lay.rank, lay.incarnation) for lay in cluster.layouts[:2]}
+    dying = cluster.iteration(1)  # the old incarnations' last deltas, emitted after the new ones registered
+    for r in cluster.ranks[:2]:
+        r.restart()
+    never = (0, cluster.ranks[0].layout.incarnation)
+    asm.register(cluster.layouts[:2])
+    cluster.ranks[0].restart()  # rank 0 restarts again before it ever reported: `never` never will
+    asm.register(cluster.layouts[:1])
+    asm.ingest([dying])
+    asm.forget_layouts(None)
+    assert old <= set(asm.layouts) and len(asm.layouts) == 7  # the new ones have not reported yet: all kept
+    for i in range(2, 6):
+        asm.ingest([cluster.iteration(i)])
+        asm.forget_layouts(i - 2)
+        assert (old <= set(asm.layouts)) == (i < 4), i  # details of iteration 1 kept up to iteration 3
+    assert never not in asm.layouts and set(asm.layouts) == {(lay.rank, lay.incarnation) for lay in cluster.layouts}
