@@ -14,6 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from pydantic_core import PydanticCustomError
 
 MAX_STOP_STRINGS = 4
+# every distinct salt costs each rank a reuse-tree root keyed by the salt while its blocks are cached, so a
+# salt is bounded: 256 characters hold any tenant id or random secret (vLLM suggests 43 base64 characters,
+# 256 bits) with room to spare. vLLM itself sets no limit
+MAX_CACHE_SALT_CHARS = 256
 
 
 def _check_unicode(value: Any) -> None:
@@ -76,8 +80,10 @@ class SamplingRequest(_Strict):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    cache_salt: str | None = Field(None, min_length=1, description="vLLM's prefix-cache salt: requests reuse "
-                                   "cached blocks only of requests with the same salt (a tenant's isolation)")
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS,
+                                   description="vLLM's prefix-cache salt: requests reuse cached blocks only of "
+                                   "requests with the same salt (a tenant's isolation); 1 to "
+                                   f"{MAX_CACHE_SALT_CHARS} characters")
     # accepted and ignored, as vLLM's server does: they change nothing kvfleet generates
     metadata: dict[str, str] | None = None
     store: bool | None = None

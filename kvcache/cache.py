@@ -1,10 +1,10 @@
 """One request's KV cache: its pages per life cycle, its place in the reuse tree, its pending statistics.
 
 The cache decides what it needs; the manager's public verbs (`can_take`, `take`, `hold`, `release`, `lock`,
-`unlock`, `onboard`, `copy_partial`, `commit_stats`) do it, so pools and counters stay the manager's. The
-attention policy of each life cycle says which blocks are stale. Everything here costs O(blocks touched).
-Names: `lc` is a life cycle id, `cycle` a `LifeCycle`; `pg` a pool group id, `group` a `PoolGroup`; `o` a
-block ordinal and `nb` a number of blocks.
+`unlock`, `onboard`, `copy_partial`, `commit_stats`, `reuse_root`, `leave_root`, `prune`) do it, so pools,
+counters and the salts' roots stay the manager's. The attention policy of each life cycle says which blocks
+are stale. Everything here costs O(blocks touched). Names: `lc` is a life cycle id, `cycle` a `LifeCycle`;
+`pg` a pool group id, `group` a `PoolGroup`; `o` a block ordinal and `nb` a number of blocks.
 """
 
 from typing import TYPE_CHECKING
@@ -358,7 +358,9 @@ class KVCache:
         if self._nodes:
             tail = self._nodes[-1]
             tail.tails -= 1
-            tail.prune()  # only if its pages were dropped while we held it as our tail
+            mgr.prune(tail)  # only if its pages were dropped while we held it as our tail
+        if self._root is not None:
+            mgr.leave_root(self._root)
         self._active = False
         self._closed = True
 

@@ -13,6 +13,8 @@ Design decisions the spec leaves open, written down here:
 - Everything an excluded request (`exclude_from_stats=True`) causes, tier moves included, is left out of
   the statistics. With stats disabled, counters stay 0 and gauges still work.
 - Peaks are sampled at every stats commit and drain, and only re-computed when a gauge may have changed.
+- A salt's reuse-tree root lives only while a block or a live cache is under it (`prune`), and block
+  residency is recorded only with stats on (only the stats delta drains it): neither grows with time served.
 """
 
 import logging
@@ -44,7 +46,7 @@ from kvcache.stats import (
     KVCacheStatsDelta,
     PoolGroupSnapshot,
 )
-from kvcache.tree import Node, last_missing
+from kvcache.tree import Node, Root, last_missing
 
 log = logging.getLogger("kvfleet.kvcache")
 
@@ -80,8 +82,10 @@ class KVCacheManager:
         self._lc_meta = [{"id": c.id, "pool_group": c.pool_group, "window_key": c.window_key, "kind": c.kind}
                          for c in self.life_cycles]
         self._dirty = False  # a gauge may have changed since the peaks were last sampled
-        self.residency = Residency()  # block residency and tier-copy times, drained with each delta
-        self._roots: dict = {}
+        # block residency and tier-copy times, drained with each stats delta: recorded only with stats on, as
+        # nothing else drains them (they would grow by a float per block touched)
+        self.residency = Residency()
+        self._roots: dict[tuple, Root] = {}  # (type, salt) -> root, only while it is used (`Root.unused`)
         # KV events follow the first life cycle that never goes stale (kvcache/events.py); None while off
         self.anchor_lc = next((c.id for c in self.life_cycles if not c.attention.can_go_stale), 0)
         self.kv_events: EventRecorder | None = None
@@ -190,7 +194,8 @@ class KVCacheManager:
 
     def hold(self, page: Page) -> None:
         """An inactive request takes a page (a reuse match): it is no longer evictable."""
-        self.residency.hit(page, now())
+        if self.stats_enabled:
+            self.residency.hit(page, now())
         pg = self.pool_group_of[page.lc]
         if page.ref == 0:
             (self._primary if page.tier == 0 else self._secondary)[pg].remove_evictable(page)
@@ -256,7 +261,8 @@ class KVCacheManager:
         from_pool = self._primary[pg] if src.tier == 0 else self._secondary[pg]
         t = now()
         self._primary[pg].tensor[slot].copy_(from_pool.tensor[src.slot])
-        self.residency.copied(0, src.tier, t)
+        if self.stats_enabled:
+            self.residency.copied(0, src.tier, t)
         if record:
             if src.tier == 0:
                 self._count(lc, COPY, COPY_BYTES)
@@ -287,7 +293,8 @@ class KVCacheManager:
         dst = (self._primary if tier == 0 else self._secondary)[self.pool_group_of[page.lc]]
         t = now()
         dst.tensor[slot].copy_(src.tensor[page.slot])
-        self.residency.copied(tier, 1 - tier, t)
+        if self.stats_enabled:
+            self.residency.copied(tier, 1 - tier, t)
         if tier == 0:  # back on the primary tier: a new residency there
             page.born = page.touched = page.idle = t
         src.free.append(page.slot)
@@ -321,7 +328,8 @@ class KVCacheManager:
             self._count(page.lc, OFFLOAD, OFFLOAD_BYTES)
 
     def _evict_primary(self, page: Page, record: bool) -> None:
-        self.residency.evicted(page, now())
+        if self.stats_enabled:
+            self.residency.evicted(page, now())
         s = self._secondary[self.pool_group_of[page.lc]]
         if s is not None and (s.free or s.num_evictable):
             self._offload(page, record)
@@ -338,7 +346,7 @@ class KVCacheManager:
                 self.kv_events.removed(node, page.tier)
             node.pages[page.lc] = None
             page.node = None
-            node.prune()
+            self.prune(node)
         page.slot = page.tier = -1
         if record:
             self._count(page.lc, DROPPED, DROPPED_BYTES)
@@ -349,15 +357,33 @@ class KVCacheManager:
         self._dirty = False
 
     # ---- reuse tree -------------------------------------------------------------------------------------
-    def reuse_root(self, salt) -> Node:
-        """The tree of one tenant's published blocks."""
+    def reuse_root(self, salt) -> Root:
+        """The tree of one tenant's published blocks, held by the calling cache until its `leave_root`."""
         # keyed by type and value: salts 1, True and 1.0 compare equal but are different tenants
         key = (type(salt), salt)
         root = self._roots.get(key)
         if root is None:
-            root = self._roots[key] = Node((), None, len(self.life_cycles))
+            root = self._roots[key] = Root(key, len(self.life_cycles))
             root.key = root_key(salt)
+        root.tails += 1
         return root
+
+    def leave_root(self, root: Root) -> None:
+        """A cache of the root's salt closed: the root goes if nothing else is under it."""
+        root.tails -= 1
+        if root.unused:
+            self._drop_root(root)
+
+    def prune(self, node: Node) -> None:
+        """Remove node's chain of empty nodes (`Node.prune`), and its root once unused, so a salt whose blocks
+        are all gone costs the rank nothing. O(nodes removed): no scan of the roots."""
+        top = node.prune()
+        if isinstance(top, Root) and top.unused:
+            self._drop_root(top)
+
+    def _drop_root(self, root: Root) -> None:
+        if self._roots.get(root.salt_key) is root:
+            del self._roots[root.salt_key]
 
     def match(self, root: Node, tokens: list, limit: int) -> tuple[int, list[Node], Node | None]:
         """Longest reusable prefix: (matched tokens, full-block nodes, node of the partial block or None)."""

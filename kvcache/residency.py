@@ -5,7 +5,8 @@ vLLM's three residency histograms, with its bucket edges: a block's lifetime (al
 between two consecutive accesses (allocation or a reuse hit -> the next hit). Only published blocks that
 nobody holds are evicted (offloaded to the host tier or dropped), as only vLLM's cached blocks are; a block
 freed unpublished is not an eviction. Each event costs O(1) on the block touched: three timestamps live on
-the `Page`; the events' seconds are bucketed when a drain hands the counts over with the iteration.
+the `Page`; the events' seconds are bucketed when a drain hands the counts over with the iteration. Only the
+stats path drains, so the manager records events only while statistics are on.
 """
 
 from __future__ import annotations

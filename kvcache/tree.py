@@ -46,8 +46,10 @@ class Node:
                 best, best_len = node, n
         return best, best_len
 
-    def prune(self) -> None:
-        """Remove this node and its empty ancestors once they hold no page, no child and no live cache's tail."""
+    def prune(self) -> "Node":
+        """Remove this node and its empty ancestors once they hold no page, no child and no live cache's tail;
+        returns the first node kept (the root when the chain went up to it), for the caller to drop an
+        unused root (`Root.unused`) in O(1)."""
         node = self
         while (node.parent is not None and not node.children and not node.tails
                and all(p is None for p in node.pages)):
@@ -59,6 +61,23 @@ class Node:
                 del parent.by_first[node.tokens[0]]
             node.parent = None
             node = parent
+        return node
+
+
+class Root(Node):
+    """One salt's tree. Its `tails` counts the live caches of the salt (they may publish under it any time), so
+    it is unused, and can go, once it has no child and no live cache: memory stays bounded by the blocks held,
+    not by the salts ever seen."""
+
+    __slots__ = ("salt_key",)
+
+    def __init__(self, salt_key: tuple, num_life_cycles: int) -> None:
+        super().__init__((), None, num_life_cycles)
+        self.salt_key = salt_key  # its key in the manager's roots
+
+    @property
+    def unused(self) -> bool:
+        return not self.children and not self.tails
 
 
 def last_missing(holders: list, lc: int, nb: int, start: int, end: int) -> int:

@@ -8,12 +8,14 @@ aborts its engine request.
 import json
 import time
 import types
+from pathlib import Path
 
 import httpx
 import pytest
 from fastapi.testclient import TestClient
 
 from deployment.mirror import StatsMirror
+from deployment.protocol import MAX_CACHE_SALT_CHARS, SamplingRequest
 from deployment.routes import create_api
 from deployment.settings import Settings
 from deployment.sse import SSEDecoder
@@ -166,6 +168,29 @@ def test_bad_generation_input_is_4xx_then_service_continues(server, http, name, 
     assert len(server.engine.started) == started, "a bad request reached the engine"
     ok = http.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2})
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == REPLY[:2]
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+])
+def test_cache_salt_longer_than_the_limit_is_a_400_naming_it(server, http, path, body):
+    """Each distinct salt costs every rank a root keyed by the salt while its blocks are cached: a salt of any
+    length let one client pin arbitrarily large strings in the ranks."""
+    started = len(server.engine.started)
+    err = _assert_openai_error(http.post(path, json={**body, "cache_salt": "s" * (MAX_CACHE_SALT_CHARS + 1)}),
+                               400, "string_too_long")
+    assert err["param"] == "cache_salt" and "cache_salt" in err["message"]
+    assert len(server.engine.started) == started, "a bad request reached the engine"
+    ok = http.post(path, json={**body, "cache_salt": "s" * MAX_CACHE_SALT_CHARS})
+    assert ok.status_code == 200, ok.text
+    assert server.engine.salts[-1] == "s" * MAX_CACHE_SALT_CHARS
+
+
+def test_the_cache_salt_limit_is_documented():
+    doc = (Path(__file__).parent.parent / "docs" / "http-api.md").read_text()
+    assert f"a string of 1 to {MAX_CACHE_SALT_CHARS} characters" in doc
+    assert f"1 to {MAX_CACHE_SALT_CHARS} characters" in SamplingRequest.model_fields["cache_salt"].description
 
 
 def test_integers_are_numbers(http):

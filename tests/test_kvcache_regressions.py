@@ -1,6 +1,7 @@
 """Regressions from the correctness review: each test failed on the code before its fix."""
 
 from kvcache import KVCacheManager
+from kvcache.events import STORED
 from tests.kvcache_helpers import run_prompt, small_manager
 
 
@@ -71,3 +72,49 @@ def test_partial_copy_from_the_host_tier_records_its_allocation_with_the_onboard
     assert c["iterOnboardBlocks"] == 2
     assert c["iterAllocTotalBlocks"] == c["iterAllocNewBlocks"] == 2
     assert mgr.get_kv_cache_stats().alloc_total_blocks == 2 + 2 + 2  # a, filler, and c's two onboards
+
+
+def test_a_salt_whose_blocks_are_all_gone_leaves_no_root():
+    """Each salt's root (keyed by the salt itself) went with its last block: memory is bounded by the blocks
+    held, not by the salts ever seen. Every request here publishes two blocks; the cache holds four."""
+    mgr = small_manager(primary_slots=4)
+    salts = [f"tenant-{i}-" + "x" * 1000 for i in range(20)]
+    for i, salt in enumerate(salts):
+        run_prompt(mgr, f"r{i}", [1, 2, 3, 4, 5, 6], salt=salt)
+    assert {salt for _, salt in mgr._roots} == set(salts[-2:])  # only the salts with a block cached
+    again = mgr.create_kv_cache("again", [1, 2, 3, 4, 5, 6, 7], cache_salt=salts[-1])
+    assert again.num_reused_tokens == 6
+    again.close()
+    run_prompt(mgr, "filler", list(range(100, 116)))  # four blocks without a salt: every salted one goes
+    assert list(mgr._roots) == [(type(None), None)]
+    mgr.set_kv_events(True)  # the snapshot walks the live roots only
+    assert {e.salt for e in mgr.kv_events.drain() if e.kind == STORED} == {None}
+
+
+def test_a_live_cache_keeps_its_salts_root():
+    """A root without blocks stays while a cache of its salt lives: that cache publishes under it later, where
+    the next request of the salt must find its blocks."""
+    mgr = small_manager(primary_slots=4)
+    kv = mgr.create_kv_cache("a", [1, 2, 3, 4, 5], cache_salt="t")
+    mgr.create_kv_cache("b", [9], cache_salt="t").close()  # another cache of the salt leaves, none published
+    run_prompt(mgr, "filler", list(range(100, 116)))
+    assert kv.resume() and kv.resize(5)
+    kv.commit([1, 2, 3, 4, 5])
+    kv.close()
+    assert mgr.create_kv_cache("c", [1, 2, 3, 4, 5, 6], cache_salt="t").num_reused_tokens == 5
+    mgr.create_kv_cache("d", [1], cache_salt="once").close()
+    assert (str, "once") not in mgr._roots
+
+
+def test_residency_records_nothing_with_statistics_off():
+    """Only the stats delta drains the residency lists, so with stats off they got a float per reuse hit and
+    eviction, forever. Shared prefixes and a full cache: hits and evictions every request."""
+    mgr = small_manager(primary_slots=8, enable_stats=False)
+    for i in range(40):
+        run_prompt(mgr, f"r{i}", [1, 2, 3, 4, 5, 6, 7, 8, 100 + i, 101, 102, 103, 104])
+    assert [len(s) for s in mgr.residency._seconds] == [0, 0, 0]
+    on = small_manager(primary_slots=8)
+    for i in range(40):
+        run_prompt(on, f"r{i}", [1, 2, 3, 4, 5, 6, 7, 8, 100 + i, 101, 102, 103, 104])
+    drained = on.residency.drain()
+    assert drained is not None and all(sum(c) for c in drained.counts)  # stats on: still every event
