@@ -126,6 +126,7 @@ class Engine(GroupRecovery):
         self.vocab_size = self.rank_info[0]["vocab_size"]
         self.transport = make_transport(s.step_transport, self.workers)
         self.router.reuse_table = self.rank_info[0]["reuse_table"]
+        self.router.partial_worth = self.rank_info[0]["partial_reuse_blocks"]
         for dp, group in enumerate(launched):
             self.router.group_started(dp, group.infos[0])
         if s.cache.enable_stats:

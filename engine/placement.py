@@ -22,7 +22,8 @@ commit was in that iteration; its `fleet` sums the same for the requests the fle
 engine replicas, deployment/fleet_routing.py), with that router's prediction, made one level up from the
 replicas' KV event streams (so it also misses the events still on their way to it). They differ when (1)
 blocks are evicted between the decision and the prefill (other requests run meanwhile, or the request waits),
-(2) the rank also reuses part of a block (a partial match; the prediction counts full blocks only), (3) events
+(2) the block the rank reuses in part (partial reuse) was evicted, or another published, in between (the
+prediction counts it too: the index keeps each block's tokens, `KVIndex.partial_match`), (3) events
 are in flight: blocks another request published in the same step are not in the index yet, (4) a sliding-
 window life cycle lost a page the anchor life cycle still has, so the rank's match is shorter than the
 index's.
@@ -92,6 +93,7 @@ class Router:
         self.publisher = KVEventPublisher(events, self.B, num_groups, self.index, salt_label)  # ZMQ, vLLM's format
         self.free = [0] * num_groups  # each group's free primary blocks, from its last step
         self.reuse_table: list[int] | None = None  # kvcache.events.reuse_table of the ranks
+        self.partial_worth = 0  # kvcache.events.partial_reuse_worth of the ranks: 0 without partial reuse
         self._rr = 0
         self._events_on = False
         self._tally = _Tally(num_groups)
@@ -126,10 +128,24 @@ class Router:
             predicted = self.held(req.dp, req.block_keys, len(req.prompt))
         else:
             req.dp, predicted = self.choose(req.block_keys, len(req.prompt), groups, up)
+        partial = self._partial_tokens(req)
         if not req.counted:  # a request moved off a dead group after its first commit is not counted again
-            req.predicted = predicted
-        req.hit_tokens = self._last_hits * self.B
+            req.predicted = predicted + (self.partial_worth if partial else 0)
+        req.hit_tokens = self._last_hits * self.B + partial
         return req.dp
+
+    def _partial_tokens(self, req: Any) -> int:
+        """Prompt tokens past its held full blocks that its group's rank will reuse in part, as the rank matches
+        (`KVCacheManager.match`: at most a block less one, never the prompt's last token)."""
+        if not self.partial_worth or req.block_keys is None or not self._events_on:
+            return 0
+        m = self._last_hits
+        n = m * self.B
+        cap = min(len(req.prompt) - 1 - n, self.B - 1)
+        if cap <= 0:
+            return 0
+        parent = req.block_keys[m - 1] if m else root_key(req.cache_salt)
+        return self.index.partial_match(req.dp, parent, req.prompt[n:n + cap])
 
     def choose(self, keys: list[int] | None, prompt_len: int, groups: Sequence[Any], up: list[int]) -> tuple[int, int]:
         """(dp group, predicted reused blocks) for a request of `prompt_len` tokens with these block keys."""

@@ -112,6 +112,13 @@ def key_of(node: Any) -> int:
     return key
 
 
+def partial_reuse_worth(mgr: Any) -> int:
+    """The reused blocks a stats commit counts for a block matched in part: one per life cycle (`KVCache._adopt`),
+    none while partial reuse is off."""
+    cfg = mgr.config
+    return len(mgr.life_cycles) if cfg.enable_block_reuse and cfg.enable_partial_reuse else 0
+
+
 def reuse_table(mgr: Any) -> list[int]:
     """`t[m]`: the reused blocks a stats commit counts (over every life cycle, stale ones left out) for a
     request that matched m full blocks: what the engine's prediction of m held blocks is worth in the

@@ -10,7 +10,7 @@ from engine import ranks
 from engine.config import EngineConfig
 from engine.core import Engine
 from engine.transport import make_transport
-from kvcache.events import reuse_table
+from kvcache.events import partial_reuse_worth, reuse_table
 from workers.loader import load_model
 from workers.parallel import TPGroup
 from workers.step import RankSpec
@@ -88,6 +88,7 @@ async def make_engine(**overrides) -> Engine:
         eng._set_limit(dp, [{"max_request_tokens": longest_request(w)} for w in eng.rank_workers[dp * s.tp:][:s.tp]])
     eng.vocab_size = eng.rank_workers[0].model.config.vocab_size
     eng.router.reuse_table = reuse_table(eng.rank_workers[0].kv)  # what Engine.start takes from the ranks' setup
+    eng.router.partial_worth = partial_reuse_worth(eng.rank_workers[0].kv)
     for dp in range(s.dp):
         eng.router.group_started(dp, setup_info(eng.rank_workers[dp * s.tp]))
     eng.router.publisher.start()  # what Engine.start does first (a no-op unless kv_events_publisher is zmq)

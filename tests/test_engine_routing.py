@@ -218,3 +218,25 @@ def test_round_robin_cycles_over_the_groups():
         assert [placed(eng, TENANT_A)[0] for _ in range(4)] == [0, 1, 0, 1]
 
     run(main())
+
+
+def test_the_prediction_counts_the_block_a_rank_reuses_in_part():
+    """Partial reuse: a prompt that runs past its held full blocks into part of a block the group holds (here
+    the trailing partial block an earlier request published) is predicted to reuse it too, so predicted equals
+    realized; a prompt whose next tokens match no held block predicts full blocks only."""
+    async def main():
+        eng = await routed_engine(dp=1)
+        worth = eng.router.partial_worth  # one block per life cycle
+        assert worth >= 1
+        out = await ask(eng, TENANT_A + [200], max_tokens=4)
+        await settled(eng)
+        eng.router.take_record()
+        tail = [200] + out[:2]  # the start of the published partial block after the 6 full ones
+        for prompt in (TENANT_A + tail + [7, 8], TENANT_A + [201, 7, 8], TENANT_A + tail[:1] + [9, 9, 9]):
+            await served(eng, prompt)
+        rec = eng.router.take_record()
+        full = eng.router.reuse_table[6]
+        assert rec["requests"] == 3 and rec["predictedReusedBlocks"] == rec["realizedReusedBlocks"]
+        assert rec["predictedReusedBlocks"] == 3 * full + 2 * worth  # the first and third reuse part of the tail
+
+    run(main())

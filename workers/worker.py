@@ -22,7 +22,7 @@ import torch
 
 from aggregator.delta import RankDelta, RankLayout, StepFigures, pack
 from kvcache import KVCacheManager
-from kvcache.events import reuse_table
+from kvcache.events import partial_reuse_worth, reuse_table
 from workers.loader import kv_cache_config, load_model
 from workers.model import SeqInput
 from workers.parallel import TPGroup, free_port, group_min, init_tp_group, node_ip
@@ -115,7 +115,8 @@ class RankWorker:
         log.info("rank %d (dp %d, tp %d) ready on %s: %d primary blocks, requests up to %d tokens",
                  s.rank, s.dp_rank, s.tp_rank, self.device, stats.max_num_blocks, lo)
         return {"rank": s.rank, "max_request_tokens": lo, "vocab_size": cfg.vocab_size,
-                "reuse_table": reuse_table(self.kv), "kv_slots": self.kv.num_slots,
+                "reuse_table": reuse_table(self.kv), "partial_reuse_blocks": partial_reuse_worth(self.kv),
+                "kv_slots": self.kv.num_slots,
                 "max_num_blocks": stats.max_num_blocks, "node_id": self.layout.node_id,
                 "device": self.device, "incarnation": self.incarnation, "layout": self.layout}
 
