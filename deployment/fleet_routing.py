@@ -18,7 +18,14 @@ the chosen replica the group it scored best (`Routed.dp`), so the engine does no
 
 Between a decision and the replica's next report the router counts what it sent there itself: each routed
 request carries a ticket (this view's id, a sequence number); a replica reports the newest ticket of each
-router it admitted, and the requests up to it are in its own load and room from then on.
+router it admitted, and the requests up to it are in its own load and room from then on. A decision whose
+request did not go there leaves that replica's view when Serve says so: routed again (the replica rejected
+it), or sent elsewhere (`went_to`: the chosen replica was full, Serve took one of the next rank); one Serve
+says nothing of (cancelled before it was sent, or Serve without the rejection protocol) counts SENT_S at most.
+
+No dp group up on any replica is not a reason to hold a request in Serve's router (a routing task spinning on
+an empty choice): it goes to a replica all the same (those without a group up rank last) and waits there, in
+the engine's `Orphans`, up to `placement_timeout_s` for a group to come back.
 
 A replica that leaves Serve's replica set (died, replaced) is forgotten at once: its view is dropped, so no
 request is sent its way for blocks that are gone; its successor (a new replica id, the same engine id) is
@@ -46,6 +53,9 @@ logger = logging.getLogger("kvfleet.deployment")
 POLL_S = 1.0  # a follow long poll's wait: the groups' load is at most this old while no event comes
 RETRY_S = 0.5  # after a failed follow call (the replica is starting, or going away)
 PUBLISH_S = 5.0  # how long a sent prompt's blocks count as coming without its replica's events showing them
+# how long a decision counts in its replica's load without the replica reporting it admitted (reports come every
+# POLL_S): its request went elsewhere, or nowhere, and Serve did not say
+SENT_S = 10.0
 
 
 @dataclass
@@ -97,14 +107,26 @@ class ReplicaView:
     last_id: str | None = None
 
     def report(self, groups: list[dict[str, int]], admitted: int) -> None:
-        """The replica's groups now; `admitted`: the newest of this router's tickets it has admitted. A sent
-        request is forgotten once admitted and its prompt's blocks are in the index (or PUBLISH_S passed:
-        it waited, failed or was evicted meanwhile)."""
+        """The replica's groups now; `admitted`: the newest of this router's tickets it has admitted."""
         self.groups, self.admitted = groups, admitted
+        self.prune(time.monotonic())
+
+    def prune(self, now: float) -> None:
+        """Forget the sent requests accounted for: admitted, with their prompt's blocks in the index (or after
+        PUBLISH_S: it waited, failed or was evicted meanwhile); or never admitted within SENT_S (it went to
+        another replica, or to none, and Serve did not say: without a bound it would weigh here for good)."""
         if self.sent:
-            now = time.monotonic()
-            self.sent = [s for s in self.sent if s.ticket > admitted or (
-                now - s.at < PUBLISH_S and s.keys and s.keys[-1] not in self.index.blocks[s.dp])]
+            self.sent = [s for s in self.sent if self._counts(s, now)]
+
+    def _counts(self, s: Sent, now: float) -> bool:
+        if s.ticket > self.admitted:
+            return now - s.at < SENT_S
+        return now - s.at < PUBLISH_S and bool(s.keys) and s.keys[-1] not in self.index.blocks[s.dp]
+
+    def drop(self, ticket: int) -> None:
+        """Forget a decision whose request did not come here (a whole-list replacement: see FleetView)."""
+        if any(s.ticket == ticket for s in self.sent):
+            self.sent = [s for s in self.sent if s.ticket != ticket]
 
     def pending(self, dp: int) -> tuple[int, int]:
         """(tokens, blocks) sent to group `dp` that its last report did not count yet."""
@@ -150,6 +172,12 @@ class FleetView:
         if self.on_change is not None:
             self.on_change()
 
+    def unsend(self, ticket: int, kept: str | None = None) -> None:
+        """Forget decision `ticket` everywhere but in replica `kept`'s view (where its request went)."""
+        for rid, v in list(self.replicas.items()):
+            if rid != kept:
+                v.drop(ticket)
+
     def forget(self, rid: str) -> None:
         view = self.replicas.pop(rid, None)
         if view is not None:
@@ -167,46 +195,87 @@ def fleet_view(app_name: str, deployment: str) -> FleetView:
 
 def place(view: FleetView, weights: tuple[float, float, float, float], candidates: list[Any],
           routed: Routed) -> list[list[Any]]:
-    """Serve's replicas (`RunningReplica`s) best first by their best dp group's `kv` score, the best one's group
-    written on `routed`. Replicas not followed yet (just started) come after every known one."""
-    best: list[tuple[tuple, Any, ReplicaView | None, int, int]] = []
+    """Serve's replicas (`RunningReplica`s) in ranks, best first: the one whose best dp group has the best `kv`
+    score (that group written on `routed`), the other known replicas with a group up, those not followed yet
+    (just started), last those with no group up (their engine keeps the request waiting for one). Never empty
+    while there are candidates: on an empty answer Serve's routing task would try again at once, for good."""
+    _undecide(view, routed)
+    now = time.monotonic()
+    scored: list[tuple[tuple, Any, ReplicaView]] = []
+    fresh: list[Any] = []
+    down: list[Any] = []
     keys: list[int] = []
     B = 0
-    prompt = routed.token_ids
     for order, r in enumerate(candidates):
         v = view.replicas.get(r.replica_id.unique_id)
         if v is None or not v.groups:
-            best.append(((1, order), r, None, -1, 0))
+            fresh.append(r)
             continue
+        v.prune(now)
         if v.block_size != B:  # every replica has the same block size: the keys are computed once
             B = v.block_size
-            keys = prompt_keys(prompt, B, routed.cache_salt)[:max(0, (len(prompt) - 1) // B)]
-        need = -(-len(prompt) // B)
-        choice = None
-        for dp, g in enumerate(v.groups):
-            if not g["up"]:
-                continue
-            hits = v.prefix(dp, keys)
-            tokens, blocks = v.pending(dp)
-            load, room = g["load"] + tokens, g["room"] - blocks
-            rank = (0, -kv_score(weights, B, hits, load, need, room), load, len(v.index.blocks[dp]), -room,
-                    order, dp)
-            if choice is None or rank < choice[0]:
-                choice = (rank, sum(hits), dp)
-        if choice is not None:
-            best.append((choice[0], r, v, choice[2], choice[1]))
-    if not best:
-        return []
-    best.sort(key=lambda b: b[0])
-    _, first, v, dp, blocks = best[0]
-    if v is None:
-        return [[b[1] for b in best]]  # nothing known yet: Serve takes the shortest queue
+            keys = prompt_keys(routed.token_ids, B, routed.cache_salt)[:max(0, (len(routed.token_ids) - 1) // B)]
+        choice = _best_group(v, weights, keys, len(routed.token_ids), order)
+        if choice is None:
+            down.append(r)
+        else:
+            scored.append((choice, r, v))
+    if not scored:
+        return [rank for rank in (fresh, down) if rank]  # nothing to score: Serve takes the shortest queue
+    scored.sort(key=lambda c: c[0][0])
+    (_, blocks, dp), first, v = scored[0]
+    _decide(view, v, routed, dp, blocks, keys, now)
+    return [rank for rank in ([first], [c[1] for c in scored[1:]] + fresh, down) if rank]
+
+
+def _best_group(v: ReplicaView, weights: tuple[float, float, float, float], keys: list[int], tokens: int,
+                order: int) -> tuple[tuple, int, int] | None:
+    """(rank, blocks held, dp) of the replica's best group that is up, or None while none is."""
+    B = v.block_size
+    need = -(-tokens // B)
+    choice = None
+    for dp, g in enumerate(v.groups):
+        if not g["up"]:
+            continue
+        hits = v.prefix(dp, keys)
+        sent_tokens, sent_blocks = v.pending(dp)
+        load, room = g["load"] + sent_tokens, g["room"] - sent_blocks
+        rank = (-kv_score(weights, B, hits, load, need, room), load, len(v.index.blocks[dp]), -room, order, dp)
+        if choice is None or rank < choice[0]:
+            choice = (rank, sum(hits), dp)
+    return choice
+
+
+def _decide(view: FleetView, v: ReplicaView, routed: Routed, dp: int, blocks: int, keys: list[int],
+            now: float) -> None:
+    """Write the decision on `routed` (it travels with the call), and count it in the replica's view until the
+    replica reports it."""
     routed.engine, routed.dp, routed.blocks = v.engine, dp, blocks
     routed.router, routed.ticket = view.id, next(view.tickets)
-    total = len(prompt) + routed.max_tokens  # what the engine's load and room count once it has it
+    total = len(routed.token_ids) + routed.max_tokens  # what the engine's load and room count once it has it
     v.sent.append(Sent(routed.ticket, dp, total - blocks * v.block_size, -(-total // v.block_size) - blocks, keys,
-                       time.monotonic()))
-    return [[first], [b[1] for b in best[1:]]]
+                       now))
+
+
+def _undecide(view: FleetView, routed: Routed) -> None:
+    """A request Serve routes again (no rank took it: full, it rejected it, or found dead first): the last
+    decision never reached a replica, so it leaves the view, and `routed` carries none until this one."""
+    if routed.router == view.id and routed.ticket >= 0:
+        view.unsend(routed.ticket)
+    routed.engine, routed.dp, routed.blocks, routed.router, routed.ticket = None, -1, 0, "", -1
+
+
+def routed_of(pending_request: Any) -> Routed | None:
+    """The generate call's `Routed` (a positional argument of Serve's `PendingRequest`), if it has a prompt."""
+    routed = next((a for a in pending_request.args if isinstance(a, Routed)), None)
+    return routed if routed is not None and routed.token_ids is not None else None
+
+
+def went_to(view: FleetView, routed: Routed, rid: str) -> None:
+    """Serve sent the request to replica `rid` (its `on_request_routed`). Chosen for another replica (that one
+    was full and Serve took the next rank), it leaves that one's load now; `rid`'s own report counts it."""
+    if routed.router == view.id and routed.ticket >= 0:
+        view.unsend(routed.ticket, kept=rid)
 
 
 class FleetFollower:

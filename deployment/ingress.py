@@ -38,7 +38,9 @@ NUM_CPUS = 0
 # would queue them
 MAX_ONGOING_REQUESTS = 1000
 _ENGINE_ERRORS = (RequestError, EngineError, RequestFailed)
-MAX_ROUTERS = 64  # fleet routers (one per ingress replica process) whose tickets an engine replica reports
+# fleet routers (one per ingress replica process) whose tickets an engine replica reports: the least recently
+# updated go first
+MAX_ROUTERS = 64
 
 
 class ActorStats:
@@ -126,8 +128,9 @@ class KVFleetEngine:
         events = self._engine.generate(request_id, prompt_token_ids, params, cache_salt, announce=True,
                                        drawn=drawn, placed=placed)
         if placed is not None:  # from the next report on, the router finds it in this engine's load and room
-            self._tickets[routed.router] = max(routed.ticket, self._tickets.get(routed.router, -1))
-            if len(self._tickets) > MAX_ROUTERS:  # routers of ingress replicas long gone
+            # popped and put back: the dict's order is the routers' last update, the first one the stalest
+            self._tickets[routed.router] = max(routed.ticket, self._tickets.pop(routed.router, -1))
+            if len(self._tickets) > MAX_ROUTERS:  # the longest silent: an ingress replica long gone, likely
                 self._tickets.pop(next(iter(self._tickets)))
         async with contextlib.aclosing(events):  # closed when this stream is: the engine aborts the request then
             async for ev in events:
@@ -153,8 +156,9 @@ class KVFleetEngine:
         if replica is not None and replica != me:  # routed here while that replica is not in the router's set
             return {"replica": me}
         events = await e.kv_events(after, timeout_s)
+        tickets = dict(self._tickets)  # a copy: Serve may pickle the answer on another thread while generate runs
         return {"replica": me, "engine": e.config.engine_id, "block_size": e.config.cache.tokens_per_block,
-                "events": events, "groups": e.groups_state(), "tickets": self._tickets}
+                "events": events, "groups": e.groups_state(), "tickets": tickets}
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Serve's routing stats of this replica: its engine id (what a router, or an operator, can read)."""
@@ -330,9 +334,10 @@ def check_model_setting(settings: Settings) -> None:
 
 
 # the routers `fleet_routing` names: Serve's default, and Ray Serve LLM's prefix tree over what it routed (it
-# reads the text from a `prompt` or `messages` attribute of the handle call's first argument). The latter by
-# its own module: its public re-export, ray.serve.llm.request_router, imports Ray Serve LLM's protocol models,
-# which need vLLM or SGLang installed
+# scans the handle call's positional arguments for the first with a `prompt` or `messages` attribute, and reads
+# the text there: here the `Routed` that EngineClient.generate passes last; none raises). The latter by its own
+# module: its public re-export, ray.serve.llm.request_router, imports Ray Serve LLM's protocol models, which
+# need vLLM or SGLang installed
 FLEET_ROUTERS = {"kv": "deployment.kv_router:KVFleetRouter",
                  "pow2": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",
                  "prefix_affinity": "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:"

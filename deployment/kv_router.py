@@ -8,9 +8,11 @@ reference.
 
 from __future__ import annotations
 
+from typing import Any
+
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from deployment.fleet_routing import Routed, fleet_view, place
+from deployment.fleet_routing import fleet_view, place, routed_of, went_to
 
 
 class KVFleetRouter(RequestRouter):
@@ -33,11 +35,20 @@ class KVFleetRouter(RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if pending_request is None:
             return [candidate_replicas]
+        # as Serve's own routers do once they offer every replica: when none of the ranks takes the request (all
+        # full), Serve pauses before asking again instead of looping at once
+        pending_request.routing_context.should_backoff = True
         target = pending_request.kwargs.get("replica")
         if target is not None:  # a follower's call: to that replica; while it is not here, any one answers
-            # that it is not the one (an empty choice would keep a routing task, of Serve's few, waiting for it)
+            # that it is not the one (on an empty choice Serve's routing task would ask again at once, for good)
             return [[r for r in candidate_replicas if r.replica_id.unique_id == target] or candidate_replicas]
-        routed = next((a for a in pending_request.args if isinstance(a, Routed)), None)
-        if routed is None or routed.token_ids is None:
+        routed = routed_of(pending_request)
+        if routed is None:
             return [candidate_replicas]  # Serve takes the one with the shortest queue
         return place(self.view, self.weights, candidate_replicas, routed)
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        """Serve's word on the replica that accepted the request, which may not be the one `place` chose."""
+        routed = routed_of(pending_request)
+        if routed is not None:
+            went_to(self.view, routed, replica_id.unique_id)
