@@ -41,6 +41,7 @@ _ENGINE_ERRORS = (RequestError, EngineError, RequestFailed)
 # fleet routers (one per ingress replica process) whose tickets an engine replica reports: the least recently
 # updated go first
 MAX_ROUTERS = 64
+ENGINE_HEALTH_CHECK_S = 1.0  # Serve's health check period of the engine replicas (see KVFleetEngine)
 
 
 class ActorStats:
@@ -95,6 +96,9 @@ class ActorStats:
     ray_actor_options={"num_cpus": NUM_CPUS},
     max_constructor_retry_count=3,
     graceful_shutdown_timeout_s=30,
+    # how soon Serve's controller finds a dead replica (its default, 10 s, was most of a replica's recovery once
+    # the replacement took its ranks over): a check is one call that reads a field
+    health_check_period_s=ENGINE_HEALTH_CHECK_S,
 )
 class KVFleetEngine:
     async def __init__(self, settings: Settings) -> None:

@@ -115,8 +115,13 @@ class Engine(GroupRecovery):
                 f"{health['world_size']} and tp {health['tp']}, but this engine has {self.world_size} ranks "
                 f"(tp {s.tp}): use another engine_id, or stop the old engine first")
         self.iteration = first_iteration(health.get("last_iter"))
-        ranks.remove_leftovers(s.engine_id)  # what a previous engine of this id left (its replica died)
-        launched = await ranks.launch_all(self._launch, s.dp, self._stop)
+        adopted = await self._adopt_all()  # a previous engine of this id died: its live groups, taken over
+        ranks.remove_leftovers(s.engine_id, list(adopted.values()))  # the rest of what it left
+
+        async def launch(dp: int) -> ranks.Launched:
+            return adopted[dp] if dp in adopted else await self._launch(dp)
+
+        launched = await ranks.launch_all(launch, s.dp, self._stop)
         for group in launched:
             self._pgs.append(group.pg)
             self.workers += group.workers
@@ -132,10 +137,26 @@ class Engine(GroupRecovery):
         if s.cache.enable_stats:
             self.stats = StatsChannel(self.aggregator)
             self.iteration = first_iteration(await self.stats.register([info["layout"] for info in self.rank_info]))
-        await asyncio.gather(*[ranks.warm_up(group.workers) for group in launched])
+        await asyncio.gather(*[ranks.warm_up(g.workers) for dp, g in enumerate(launched) if dp not in adopted])
         self._loop_task = asyncio.get_running_loop().create_task(self._loop())
-        log.info("engine %s: %d ranks on %s (%s), iterations from %d, requests up to %d tokens", s.engine_id,
-                 self.world_size, device, dtype, self.iteration, self.max_request_tokens)
+        log.info("engine %s: %d ranks on %s (%s, %d of %d groups taken over), iterations from %d, requests up to "
+                 "%d tokens", s.engine_id, self.world_size, device, dtype, len(adopted), s.dp, self.iteration,
+                 self.max_request_tokens)
+
+    async def _adopt_all(self) -> dict[int, ranks.Launched]:
+        """The dp groups a dead engine of this id left alive, taken over with their caches (engine/ranks.py).
+        Not with compiled graphs: their ranks stay bound to the dead engine's graph."""
+        if self.config.step_transport != "actor_calls":
+            return {}
+        left = ranks.left_behind(self.config.engine_id)
+        if not left.actors:
+            return {}
+        got = await asyncio.gather(*[ranks.adopt_group(self.config, dp, self._device, self._dtype, left)
+                                     for dp in range(self.config.dp)])
+        adopted = {dp: g for dp, g in enumerate(got) if g is not None}
+        for dp, g in adopted.items():
+            self._groups[dp].node = g.infos[0]["node_id"]
+        return adopted
 
     async def _launch(self, dp: int) -> ranks.Launched:
         """Start and set up dp group `dp`, preferring the node with the fewest of the other groups (tests replace

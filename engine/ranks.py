@@ -11,6 +11,16 @@ node with room. Not one placement group of dp x tp bundles with STRICT_SPREAD ov
 A restarted group gets a new placement group and new actors (new incarnations): Ray's own actor
 restart (`max_restarts`) cannot help, because a restarted rank would come back without its tp group and
 without the model, and its peers would still hold the dead rendezvous.
+
+Rank actors and their placement groups are detached and named by engine id, as the aggregator is: they are
+the model and the KV cache, and outlive a dead engine replica. The replica Serve starts in its place (same
+replica rank, so same engine id) adopts every group whose ranks are all alive (`adopt_group`), with their
+blocks cached, and starts only the others; what it does not adopt it removes (`remove_leftovers`). Serve
+gives a rank to a new replica only once the replica that held it has stopped (ray/serve/_private/
+deployment_state.py releases a rank after the replica stopped, so a draining one keeps its own), so two live
+engines never share an engine id, and a successor never takes ranks a live predecessor steps. A graceful
+shutdown kills them (`stop`); a replica killed outright leaves them for its successor, or for the next
+engine of its id.
 """
 
 from __future__ import annotations
@@ -28,7 +38,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from aggregator.actor import TASK_EVENTS
+from aggregator.actor import NAMESPACE, TASK_EVENTS
 from engine.config import EngineConfig
 from engine.errors import EngineError, one_line
 from workers.sampling_params import SamplingParams
@@ -37,6 +47,7 @@ from workers.step import NewRequest, RankSpec, StepPlan, StepResult, Work
 log = logging.getLogger("kvfleet.engine")
 
 SETUP_TIMEOUT_S = 600.0
+ADOPT_TIMEOUT_S = 10.0  # a left rank that does not answer within this (a lost node, a hung step) is replaced
 NODE_VERDICT_S = 60.0  # Ray's GCS marks a lost node dead after its health checks fail (~15-30 s by default)
 PENDING_AFTER_S = 1.0  # a placement group not placed by then waits for resources: the group is pending
 BACKOFF_MAX_S = 30.0
@@ -132,7 +143,7 @@ async def start_group(config: EngineConfig, dp: int, device: str, dtype: str, ta
     told while it waits."""
     s = config
     pg = placement_group([bundle_of(s, device)] * s.tp, strategy="STRICT_PACK", name=pg_name(s.engine_id, dp),
-                         _soft_target_node_id=target)
+                         lifetime="detached", _soft_target_node_id=target)
     try:
         ready = asyncio.ensure_future(pg.ready())
         ready.add_done_callback(lambda f: f.cancelled() or f.exception())  # a removed group's error is seen
@@ -155,16 +166,68 @@ async def start_group(config: EngineConfig, dp: int, device: str, dtype: str, ta
     launch = uuid.uuid4().hex[:8]  # names stay unique while a killed predecessor's name is being released
     for tp_rank in range(s.tp):
         rank = dp * s.tp + tp_rank
-        spec = RankSpec(
-            engine_id=s.engine_id, rank=rank, dp=s.dp, tp=s.tp, model=s.model, device=device, dtype=dtype,
-            seed=s.seed, cache=s.cache, max_num_batched_tokens=s.max_num_batched_tokens,
-            num_threads=max(1, int(s.num_cpus_per_rank)))
         strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=tp_rank)
         workers.append(actor_cls.options(
-            name=rank_name(s.engine_id, rank, launch), num_cpus=s.num_cpus_per_rank,
+            name=rank_name(s.engine_id, rank, launch), namespace=NAMESPACE, lifetime="detached",
+            num_cpus=s.num_cpus_per_rank,
             num_gpus=1 if device == "cuda" else 0, scheduling_strategy=strategy, max_restarts=0,
-            enable_task_events=TASK_EVENTS).remote(spec))
+            enable_task_events=TASK_EVENTS).remote(rank_spec(s, rank, device, dtype)))
     return pg, workers
+
+
+def rank_spec(config: EngineConfig, rank: int, device: str, dtype: str) -> RankSpec:
+    s = config
+    return RankSpec(engine_id=s.engine_id, rank=rank, dp=s.dp, tp=s.tp, model=s.model, device=device, dtype=dtype,
+                    seed=s.seed, cache=s.cache, max_num_batched_tokens=s.max_num_batched_tokens,
+                    num_threads=max(1, int(s.num_cpus_per_rank)))
+
+
+@dataclass
+class Left:
+    """What engines of one id left in the cluster: rank actors by (rank, launch), placement groups by name."""
+
+    actors: dict[tuple[int, str], tuple[str, str]]  # -> (name, namespace)
+    pgs: dict[str, str]  # name -> placement group id (hex), those not removed
+
+
+def left_behind(engine_id: str) -> Left:
+    """The rank actors and placement groups an engine of this id left (found by name)."""
+    actors = {}
+    prefix = f"kvfleet-rank-{engine_id}-"
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        name = actor["name"]
+        if left_by(engine_id, name):
+            rank, _, launch = name[len(prefix):].partition("-")
+            actors[(int(rank), launch)] = (name, actor["namespace"])
+    pgs = {info["name"]: pg_id for pg_id, info in ray.util.placement_group_table().items()
+           if left_by(engine_id, info.get("name") or "") and info.get("state") != "REMOVED"}
+    return Left(actors, pgs)
+
+
+async def adopt_group(config: EngineConfig, dp: int, device: str, dtype: str, left: Left,
+                      timeout_s: float = ADOPT_TIMEOUT_S) -> Launched | None:
+    """Group `dp` as a dead engine of this id left it, taken over (`RankWorker.adopt`), or None when any of
+    its ranks is gone, does not answer in time, or was started with other settings (the group then starts
+    anew, and `remove_leftovers` kills what is left of it)."""
+    pg_id = left.pgs.get(pg_name(config.engine_id, dp))
+    ranks = range(dp * config.tp, (dp + 1) * config.tp)
+    launches = {launch for rank, launch in left.actors if rank == ranks[0]}
+    launch = next((x for x in launches if all((r, x) in left.actors for r in ranks)), None)
+    if pg_id is None or launch is None:
+        return None
+    try:
+        workers = [ray.get_actor(*left.actors[(r, launch)]) for r in ranks]
+        infos = await asyncio.wait_for(asyncio.gather(
+            *[w.adopt.remote(rank_spec(config, r, device, dtype)) for w, r in zip(workers, ranks, strict=True)]),
+            timeout_s)
+    except Exception as e:  # gone, dying, or stuck (say, in a tp collective of a step its engine died sending
+        # to only some of the group's ranks): the group starts anew
+        log.warning("dp group %d: the ranks a previous engine left cannot be taken over (%s)", dp, one_line(e))
+        return None
+    if any(info is None for info in infos):
+        log.warning("dp group %d: the ranks a previous engine left run other settings; starting anew", dp)
+        return None
+    return Launched(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))), workers, infos)
 
 
 async def setup_group(workers: list[ray.actor.ActorHandle]) -> list[dict[str, Any]]:
@@ -218,19 +281,25 @@ async def _warm_up_step(workers: list, plan: StepPlan) -> StepResult:
     return outs[0]
 
 
-def remove_leftovers(engine_id: str) -> int:
+def remove_leftovers(engine_id: str, keep: list[Launched] = ()) -> int:
     """Kill the rank actors and remove the placement groups that an engine of this id left behind (its Serve
-    replica died): a new engine starts from a clean slate. Returns how many things it removed."""
+    replica died) but the groups in `keep` (adopted): a new engine starts every other group from a clean
+    slate. Returns how many things it removed."""
+    kept_actors = {w._actor_id for g in keep for w in g.workers}
+    kept_pgs = {g.pg.id for g in keep}
+    left = left_behind(engine_id)
     removed = 0
-    for actor in ray.util.list_named_actors(all_namespaces=True):
-        if left_by(engine_id, actor["name"]):
-            with contextlib.suppress(Exception):
-                ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]))
+    for name, namespace in left.actors.values():
+        with contextlib.suppress(Exception):
+            actor = ray.get_actor(name, namespace=namespace)
+            if actor._actor_id not in kept_actors:
+                ray.kill(actor)
                 removed += 1
-    for pg_id, info in ray.util.placement_group_table().items():
-        if left_by(engine_id, info.get("name") or "") and info.get("state") != "REMOVED":
+    for pg_id in left.pgs.values():
+        pg = PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id)))
+        if pg.id not in kept_pgs:
             with contextlib.suppress(Exception):
-                remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+                remove_placement_group(pg)
                 removed += 1
     if removed:
         log.warning("engine %s: removed %d rank actors and placement groups left by a previous engine",

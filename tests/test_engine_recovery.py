@@ -258,3 +258,41 @@ def test_a_request_moved_off_a_dead_group_is_counted_once_in_routing():
 
 async def _noop(*args):
     return None
+
+
+def test_a_rank_adopted_by_a_new_engine_keeps_its_cache_and_counts_from_its_adoption():
+    """The engine's replica died with a request running on the rank, and steps whose statistics never reached
+    the aggregator: the new engine's `adopt` closes what the dead one left, keeps the cached blocks (the next
+    request reuses them), and starts a new incarnation whose cumulative counters begin at the adoption (the
+    records still sum to the cumulative). A rank set up for other settings is not taken."""
+    from dataclasses import fields
+
+    from aggregator.delta import StepFigures
+    from workers.step import NewRequest, StepPlan, Work
+
+    async def main():
+        eng = await make_engine()
+        prompt = list(range(1, 60))
+        await generate(eng, prompt, max_tokens=4, temperature=0.0)
+        params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        stream = eng.generate(None, list(range(100, 140)), params)
+        await anext(stream)  # running on the rank when its engine "dies": the loop stops, nothing closes it
+        eng._loop_task.cancel()
+        w = eng.rank_workers[0]
+        assert w.reqs
+        assert w.adopt(dataclasses.replace(w.spec, seed=w.spec.seed + 1)) is None and w.reqs  # untouched
+        old = w.incarnation
+        info = w.adopt(w.spec)
+        assert info["incarnation"] == info["layout"].incarnation == w.incarnation != old and not w.reqs
+        at = w.kv.get_kv_cache_stats()
+        new = NewRequest("after", prompt, SamplingParams(max_tokens=1, temperature=0.0), None)
+        res = w.step(StepPlan(eng.iteration + 1, [new], [Work("after", len(prompt))], record=True))
+        n = len(fields(StepFigures))
+        kv = res.delta.row[-n - 8:-n].tolist()  # KvCacheStats: 4 gauges, then alloc total/new, reused, missed
+        now = w.kv.get_kv_cache_stats()
+        assert kv[4:] == [now.alloc_total_blocks - at.alloc_total_blocks, now.alloc_new_blocks - at.alloc_new_blocks,
+                          now.reused_blocks - at.reused_blocks, now.missed_blocks - at.missed_blocks]
+        assert kv[6] > 0 and res.delta.incarnation == w.incarnation  # the prompt's blocks were still cached
+        await stream.aclose()
+
+    run(main())

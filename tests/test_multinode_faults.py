@@ -109,6 +109,32 @@ def test_the_aggregators_node_lost_under_traffic_restarts_it_from_its_checkpoint
     assert {r["aggregatorEpoch"] for r in records} == {1, h["aggregator"]["epoch"]}
 
 
+def test_the_engine_replica_killed_under_traffic_takes_its_ranks_over_and_serves_every_request(mn):
+    """40 requests from 4 clients, the engine's only replica killed after the first 8: the replica Serve starts
+    takes the dead one's ranks over (the same actors, their caches: no model load), the requests in flight are
+    re-sent and those that arrive meanwhile wait for it (placement_timeout_s), so all 40 are served."""
+    import ray
+
+    ranks_before = set(mns.actor_nodes("kvfleet-rank-mnf-"))
+    cases = [(f"tenant {i % 4} asks question {i}", i % 2, i % 2) for i in range(40)]
+    body = {**BODY, "max_tokens": 24}
+    with cf.ThreadPoolExecutor(4) as pool:
+        runs = [pool.submit(mns.complete, mn.url, p, bool(stream), **{**body, **SAMPLINGS[s]}) for p, s, stream
+                in cases]
+        mns.until("8 requests served", lambda: sum(r.done() for r in runs) >= 8, 120)
+        replica = next(a for a in ray.util.list_named_actors(all_namespaces=True)
+                       if a["name"].startswith("SERVE_REPLICA::mnf#KVFleetEngine"))
+        t_kill = time.monotonic()
+        ray.kill(ray.get_actor(replica["name"], namespace=replica["namespace"]), no_restart=True)
+        errors = [r.exception() for r in runs]
+        served = time.monotonic() - t_kill
+    print(f"engine replica killed under 4 clients: {errors.count(None)} of {len(runs)} requests served, the last "
+          f"{served:.1f} s after the kill")
+    assert errors == [None] * len(runs)
+    assert set(mns.actor_nodes("kvfleet-rank-mnf-")) == ranks_before  # taken over, not started anew
+    _exact(mn.url)
+
+
 def test_the_engine_replicas_node_lost_under_traffic_loses_no_request(mn):
     assert set(mns.actor_nodes("SERVE_REPLICA::mnf#KVFleetEngine").values()) == {mn.node_id("a")}
     before = _cumulative(mn.url)

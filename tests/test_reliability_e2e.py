@@ -101,9 +101,13 @@ def test_the_engine_replica_killed_under_streaming_traffic_loses_no_request(app)
 
 
 def test_the_engine_replica_killed_is_replaced_and_the_counters_go_on(app):
+    """The replica Serve starts in its place takes the dead one's rank actors over (engine/ranks.py): the same
+    actors, their KV cache still holding what was served before the kill."""
     before = httpx.get(f"{app}/kv_cache_stats", timeout=10).json()
     with httpx.Client(base_url=app, timeout=10) as http:
         last_iter = all_stats(http)[-1]["iter"]
+    ranks_before = {a["name"] for a in _named(f"kvfleet-rank-{ENGINE_ID}-")}
+    t_kill = time.monotonic()
     _kill(f"SERVE_REPLICA::{APP}#KVFleetEngine")
     statuses = []
 
@@ -116,9 +120,12 @@ def test_the_engine_replica_killed_is_replaced_and_the_counters_go_on(app):
         return r.status_code == 200
 
     _until("a new engine replica serving", served)
+    print(f"engine replica killed idle: serving again {time.monotonic() - t_kill:.1f} s later ({statuses})")
+    assert {a["name"] for a in _named(f"kvfleet-rank-{ENGINE_ID}-")} == ranks_before  # adopted, not restarted
     after = httpx.get(f"{app}/kv_cache_stats", timeout=10).json()
     for key in ("allocTotalBlocks", "reusedBlocks", "missedBlocks"):
         assert after[key] >= before[key], key
+    assert after["reusedBlocks"] > before["reusedBlocks"]  # the first request after it found its prompt cached
     new = httpx.get(f"{app}/stats?since={last_iter}", timeout=10).json()
     assert new and new[0]["iter"] > last_iter
     assert _health(app)["aggregator"]["epoch"] == 1  # the detached aggregator lived through it

@@ -14,7 +14,7 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import astuple
+from dataclasses import astuple, replace
 from typing import Any
 
 import ray
@@ -83,8 +83,10 @@ class RankWorker:
     def __init__(self, spec: RankSpec) -> None:
         self.spec = spec
         self.incarnation = uuid.uuid4().hex
+        self.counted_from = (0, 0, 0, 0)  # cumulative block counters at this incarnation's start (`adopt`)
         self.reqs: dict[str, _Req] = {}
         self.model = self.kv = self.layout = None
+        self.max_request_tokens = self.vocab_size = 0
         self.device = "cuda:0" if spec.device == "cuda" else "cpu"
         if spec.device == "cpu":
             torch.set_num_threads(max(1, spec.num_threads))
@@ -111,12 +113,42 @@ class RankWorker:
                 lo = mid
             else:
                 hi = mid - 1
-        stats = self.kv.get_kv_cache_stats()
+        self.max_request_tokens, self.vocab_size = lo, cfg.vocab_size
         log.info("rank %d (dp %d, tp %d) ready on %s: %d primary blocks, requests up to %d tokens",
-                 s.rank, s.dp_rank, s.tp_rank, self.device, stats.max_num_blocks, lo)
-        return {"rank": s.rank, "max_request_tokens": lo, "vocab_size": cfg.vocab_size,
-                "reuse_table": reuse_table(self.kv), "partial_reuse_blocks": partial_reuse_worth(self.kv),
-                "kv_slots": self.kv.num_slots,
+                 s.rank, s.dp_rank, s.tp_rank, self.device, self.kv.get_kv_cache_stats().max_num_blocks, lo)
+        return self._info()
+
+    def adopt(self, spec: RankSpec) -> dict[str, Any] | None:
+        """A new engine of this rank's engine id takes it over (the engine's replica died; the rank, detached,
+        lived on with its model and KV cache): None unless it is set up for the same `spec`. The dead engine's
+        requests are closed (their blocks stay cached), and statistics start a new incarnation here: what the
+        dead engine's last steps counted never reached the aggregator, so the new incarnation's cumulative
+        counters start from now, as a fresh rank's start from 0, and the records still sum to the cumulative."""
+        if self.kv is None or spec != self.spec:
+            return None
+        left = len(self.reqs)
+        for req in list(self.reqs.values()):
+            if req.kv is not None:
+                req.kv.close()
+        self.reqs.clear()
+        self.kv.set_kv_events(False, False)  # the new engine asks for a snapshot of what the cache holds
+        self.kv.get_iteration_stats()  # the undelivered steps' counters and residency: gone with their engine
+        self.kv.residency.drain()
+        self.incarnation = uuid.uuid4().hex
+        stats = self.kv.get_kv_cache_stats()
+        self.counted_from = (stats.alloc_total_blocks, stats.alloc_new_blocks, stats.reused_blocks,
+                             stats.missed_blocks)
+        self.layout = replace(self.layout, incarnation=self.incarnation)
+        log.info("rank %d taken over by a new engine %s (%d requests of the dead one closed)", spec.rank,
+                 spec.engine_id, left)
+        return self._info()
+
+    def _info(self) -> dict[str, Any]:
+        """What setup (and adopt) tell the engine: the cache's reach and this incarnation's layout."""
+        stats = self.kv.get_kv_cache_stats()
+        return {"rank": self.spec.rank, "max_request_tokens": self.max_request_tokens,
+                "vocab_size": self.vocab_size, "reuse_table": reuse_table(self.kv),
+                "partial_reuse_blocks": partial_reuse_worth(self.kv), "kv_slots": self.kv.num_slots,
                 "max_num_blocks": stats.max_num_blocks, "node_id": self.layout.node_id,
                 "device": self.device, "incarnation": self.incarnation, "layout": self.layout}
 
@@ -326,7 +358,10 @@ class RankWorker:
         """Drain this iteration's KV cache stats into one packed row (O(life cycles + pool groups))."""
         report = self.kv.get_iteration_stats()
         gauges = [pg.primary + pg.secondary for pg in report.pool_groups]
-        row = pack(self.layout, report.counters, gauges, astuple(self.kv.get_kv_cache_stats()), astuple(figures))
+        kv_stats = astuple(self.kv.get_kv_cache_stats())
+        if any(self.counted_from):  # an adopted rank's counters, from its adoption (KvCacheStats: 4 gauges first)
+            kv_stats = kv_stats[:4] + tuple(c - b for c, b in zip(kv_stats[4:], self.counted_from, strict=True))
+        row = pack(self.layout, report.counters, gauges, kv_stats, astuple(figures))
         return RankDelta(self.spec.rank, self.incarnation, row, self.kv.residency.drain())
 
     def _memory(self) -> tuple[int, int, int]:
