@@ -15,16 +15,22 @@ class Detokenizer(Protocol):
 
 
 class TextStream:
-    def __init__(self, detokenizer: Detokenizer, stop: Sequence[str] = ()) -> None:
+    def __init__(self, detokenizer: Detokenizer, stop: Sequence[str] = (), min_tokens: int = 0) -> None:
         self._detok = detokenizer
         self._stop = [s for s in stop if s]
         self._pending = ""  # decoded, not yet released (could still become a stop string)
+        self._before_stops = min_tokens  # tokens whose text no stop string may end (vLLM's min_tokens)
         self.stopped = False
 
     def add(self, token_id: int) -> str:
         """Append one token; returns the newly final text. Sets `stopped` when a stop string appeared."""
         if self.stopped:
             return ""
+        if self._before_stops > 0:  # stop strings apply from the min_tokens-th token's text on
+            self._before_stops -= 1
+            text = self._pending + self._detok.step(token_id)
+            self._pending = ""
+            return text
         self._pending += self._detok.step(token_id)
         return self._release(final=False)
 

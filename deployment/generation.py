@@ -116,28 +116,34 @@ class _Generation:
             max_tokens = max(1, min(self.settings.max_tokens_default, self.engine.max_model_len - len(ids)))
         try:
             params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                    top_k=max(req.top_k, 0), seed=req.seed, ignore_eos=req.ignore_eos)
-        except ValueError as exc:
-            raise APIError(400, str(exc), code="invalid_sampling_params") from None
+                                    top_k=max(req.top_k, 0), seed=req.seed, ignore_eos=req.ignore_eos,
+                                    stop_token_ids=tuple(req.stop_token_ids or ()),
+                                    repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+                                    frequency_penalty=req.frequency_penalty, min_p=req.min_p,
+                                    min_tokens=req.min_tokens)
+        except ValueError as exc:  # SamplingParams' messages start with the field's name
+            raise APIError(400, str(exc), code="invalid_sampling_params", param=str(exc).split()[0]) from None
         try:
             await self.engine.validate(ids, params)
         except RequestError as exc:
             raise engine_error(exc) from None
         return params
 
-    async def _text(self, rid: str, events: AsyncGenerator[Any, None], stop: list[str],
+    async def _text(self, rid: str, events: AsyncGenerator[Any, None], stop: list[str], params: Any,
                     usage: list[int]) -> AsyncIterator[tuple[str, str | None]]:
-        """Yields (text delta, None) while generating and ends with one (final delta, finish_reason)."""
+        """Yields (text delta, None) while generating, the first time at the first token even when its text is
+        held back (a stream's first chunk goes out with the first token, as vLLM's), and ends with one (final
+        delta, finish_reason)."""
         tok = self.engine.tokenizer
-        text = TextStream(tok.detokenizer(), stop)
-        eos = set(tok.eos_token_ids)
+        text = TextStream(tok.detokenizer(), stop, params.min_tokens)
+        stop_ids = set(tok.eos_token_ids) | set(params.stop_token_ids)  # their text is not returned, as vLLM
         finish: str | None = None
         pending = ""
         try:
             async for ev in events:
                 usage[1] += 1
                 finish = ev.finish_reason
-                if finish == "stop" and ev.token_id in eos:
+                if finish == "stop" and ev.token_id in stop_ids:
                     break
                 delta = text.add(ev.token_id)
                 if text.stopped:
@@ -145,7 +151,7 @@ class _Generation:
                 if finish is not None:
                     pending = delta
                     break
-                if delta:
+                if delta or usage[1] == 1:
                     yield delta, None
         finally:
             await events.aclose()  # leaving early (stop string, disconnect) aborts the engine's request
@@ -166,7 +172,7 @@ class _Generation:
         if pos is not None:  # the response's id and created are the first response's
             params, rid, created = dataclasses.replace(params, seed=pos.seed), pos.rid, pos.created
         events = await _admitted(self.engine.generate(engine_rid, ids, params, req.cache_salt))
-        text = self._text(engine_rid, events, req.stop_strings, usage)
+        text = self._text(engine_rid, events, req.stop_strings, params, usage)
         if req.stream:
             chunks = self._chunks(kind, rid, created, text, usage, req.include_usage)
             sse = _sse_events(chunks) if pos is None else _numbered(chunks, pos)
@@ -199,9 +205,11 @@ class _Generation:
     async def _chunks(self, kind: str, rid: str, created: int, text: AsyncIterator[tuple[str, str | None]],
                       usage: list[int], include_usage: bool) -> AsyncIterator[dict]:
         m = self.model
-        if kind == "chat.completion":
-            yield protocol.chat_chunk(rid, m, created, {"role": "assistant", "content": ""}, None)
+        role = kind == "chat.completion"
         async for delta, finish in text:
+            if role:  # with the first token, not at admission: what TTFT clients time is the first chunk
+                role = False
+                yield protocol.chat_chunk(rid, m, created, {"role": "assistant", "content": ""}, None)
             if kind == "text_completion":
                 if delta or finish:
                     yield protocol.completion_chunk(rid, m, created, delta, finish)

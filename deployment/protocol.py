@@ -2,9 +2,11 @@
 
 Requests are strict: a misspelt or unsupported field (`extra="forbid"`), or a value of the wrong JSON type
 (`strict`: `"3"` or `true` for a number, `"yes"` for a boolean; an integer is a number), is a 400 that names
-it, never silently ignored or coerced. Options OpenAI has but kvfleet cannot honour (n > 1, logprobs,
-penalties, echo, ...) are accepted only at their no-op value, so ordinary clients that send defaults still
-work. Nothing in a request names a file or a model to load: `model` must equal the served name.
+it, never silently ignored or coerced. vLLM's sampling extensions (repetition_penalty, top_k, min_p,
+min_tokens, stop_token_ids, ignore_eos) are implemented as vLLM's server does them, and so are OpenAI's
+presence and frequency penalties. Options kvfleet cannot honour (n > 1, logprobs, echo, beam search, ...) are
+accepted only at their no-op value, so ordinary clients that send defaults still work. Nothing in a request
+names a file or a model to load: `model` must equal the served name.
 """
 
 import uuid
@@ -77,9 +79,21 @@ class SamplingRequest(_Strict):
     stream_options: StreamOptions | None = None
     n: int = 1
     user: str | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
+    # vLLM's sampling extensions, as its server takes them (`vllm bench serve` sends repetition_penalty)
+    repetition_penalty: float = Field(1.0, gt=0, description="> 1 discourages tokens of the prompt and the "
+                                      "output (extension, as in vLLM)")
+    min_p: float = Field(0.0, ge=0, le=1, description="drop tokens less likely than this times the most likely "
+                         "(extension, as in vLLM)")
+    min_tokens: int = Field(0, ge=0, description="no end-of-sequence, stop token or stop string before this many "
+                            "tokens (extension, as in vLLM)")
+    stop_token_ids: list[int] | None = Field(None, description="token ids that end the completion, not returned "
+                                             "(extension, as in vLLM)")
+    use_beam_search: bool = Field(False, description="only false (extension of vLLM's)")
+    skip_special_tokens: bool = Field(True, description="only true: special tokens are never returned as text "
+                                      "(extension of vLLM's)")
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS,
                                    description="vLLM's prefix-cache salt: requests reuse cached blocks only of "
                                    "requests with the same salt (a tenant's isolation); 1 to "
@@ -95,14 +109,21 @@ class SamplingRequest(_Strict):
             raise ValueError("only n=1 is supported")
         return v
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    _unsupported = field_validator("logit_bias", "use_beam_search")(_refuse_if_set)
+
+    @field_validator("skip_special_tokens")
     @classmethod
-    def _no_penalty(cls, v: float) -> float:
-        if v != 0:
-            raise ValueError("penalties are not supported (use 0)")
+    def _skip_special_tokens(cls, v: bool) -> bool:
+        if not v:
+            raise ValueError("only skip_special_tokens=true is supported")
         return v
 
-    _unsupported = field_validator("logit_bias")(_refuse_if_set)
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _token_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v and min(v) < 0:
+            raise ValueError("token ids must be >= 0")
+        return v
 
     @field_validator("stop")
     @classmethod

@@ -257,6 +257,9 @@ class Engine(GroupRecovery):
             raise Overloaded(f"{waiting} requests are waiting already (max_waiting_requests); retry later")
         if params.seed is None and not params.greedy:  # one seed for every tp rank of the group
             params = dataclasses.replace(params, seed=secrets.randbits(63))  # not predictable from others' seeds
+        if params.min_tokens and not params.all_stop_token_ids:  # what the ranks' samplers hold back until then
+            eos = () if params.ignore_eos else tuple(self.tokenizer.eos_token_ids)
+            params = dataclasses.replace(params, all_stop_token_ids=eos + params.stop_token_ids)
         if isinstance(drawn, bool) or not isinstance(drawn, int) or not 0 <= drawn < len(prompt_token_ids):
             raise RequestError(f"drawn must be an integer in [0, {len(prompt_token_ids)}), got {drawn!r}")
         req = Request(rid, list(prompt_token_ids), params, cache_salt, params.max_tokens, drawn=drawn)

@@ -48,6 +48,9 @@ class FakeEngine:
         self.on_finish = lambda: None  # the fixture wires this to FakeStats, like ranks reporting a step
         self.salts: list = []  # the cache_salt of every request, in order
         self.seeds: list = []  # the sampling seed of every request, in order
+        self.params: list = []  # the SamplingParams of every request, in order
+        self.hold = threading.Event()  # 'HOLD' in the prompt: admitted (None, as the real engine announces it),
+        # then the first token waits for it
         # the engine's real KV event stream over a fake index (dp 0 holds block 7 on the GPU)
         self.kv_stream = KVEventStream(4, 16, types.SimpleNamespace(blocks=[{7: 0}, {}]), buffer_always=True)
 
@@ -69,6 +72,7 @@ class FakeEngine:
         self.started.append(request_id)
         self.salts.append(cache_salt)
         self.seeds.append(params.seed)
+        self.params.append(params)
         prompt = self.tokenizer.decode(ids)
         reply = list(REPLY.encode())
         done = False
@@ -77,6 +81,9 @@ class FakeEngine:
                 raise Overloaded("300 requests are waiting already (max_waiting_requests); retry later")
             if "UNAVAILABLE" in prompt:
                 raise EngineError("no dp group is up: group 0: rank 0 is gone", 5.0)
+            if "HOLD" in prompt:
+                yield None
+                await asyncio.to_thread(self.hold.wait, 30)
             for i in range(params.max_tokens):
                 if "SLOW" in prompt:
                     await asyncio.sleep(0.05)

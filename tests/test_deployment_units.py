@@ -94,7 +94,7 @@ def test_completion_request_defaults_and_token_prompt():
 
 @pytest.mark.parametrize("body", [
     {"prompt": "x", "n": 3}, {"prompt": "x", "logprobs": 2}, {"prompt": "x", "echo": True},
-    {"prompt": "x", "best_of": 2}, {"prompt": "x", "presence_penalty": 0.5}, {"prompt": "x", "top_p": 0},
+    {"prompt": "x", "best_of": 2}, {"prompt": "x", "presence_penalty": 2.5}, {"prompt": "x", "top_p": 0},
     {"prompt": "x", "stop": [""]}, {"prompt": "x", "stream_options": {"include_usage": True}},
     {"prompt": [True, 1]}, {"prompt": {"path": "/tmp/model"}}, {"prompt": "x", "model_path": "/tmp"},
 ])

@@ -151,6 +151,14 @@ BAD_INPUTS = [
     ("stop lone surrogate", "/v1/completions", b'{"prompt": "hi", "stop": ["\\ud800"]}', 400, None),
     ("chat content lone surrogate", "/v1/chat/completions",
      b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}', 400, None),
+    ("repetition_penalty 0", "/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 400, None),
+    ("presence_penalty out of range", "/v1/completions", {"prompt": "hi", "presence_penalty": 2.5}, 400, None),
+    ("min_p above 1", "/v1/completions", {"prompt": "hi", "min_p": 1.5}, 400, None),
+    ("min_tokens above max_tokens", "/v1/completions", {"prompt": "hi", "max_tokens": 2, "min_tokens": 3}, 400,
+     "invalid_sampling_params"),
+    ("beam search", "/v1/completions", {"prompt": "hi", "use_beam_search": True}, 400, None),
+    ("special tokens as text", "/v1/completions", {"prompt": "hi", "skip_special_tokens": False}, 400, None),
+    ("negative stop token id", "/v1/completions", {"prompt": "hi", "stop_token_ids": [-1]}, 400, None),
     ("chat max tokens disagree", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "max_completion_tokens": 3}, 400, None),
 ]
@@ -260,3 +268,53 @@ def test_disconnect_aborts_streaming_request(server):
         assert time.monotonic() < deadline, "the engine request was not aborted after the client left"
         time.sleep(0.02)
     assert rid not in server.engine.finished
+
+
+def test_what_vllms_benchmark_clients_send_is_taken_and_reaches_the_engine(server, http):
+    """`vllm bench serve --backend openai` sends repetition_penalty 1.0 (it once got 400 for every request);
+    vLLM's other sampling extensions are implemented, so their values reach the engine as sent."""
+    r = http.post("/v1/completions", json={"model": "fake-model", "prompt": "hi", "max_tokens": 4, "logprobs": None,
+                                           "repetition_penalty": 1.0, "ignore_eos": True, "temperature": 0.0,
+                                           "top_p": 1.0, "top_k": -1, "min_p": 0.0, "best_of": 1})
+    assert r.status_code == 200, r.text
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 4, "repetition_penalty": 1.3,
+            "presence_penalty": 0.5, "frequency_penalty": -0.5, "min_p": 0.1, "min_tokens": 2,
+            "stop_token_ids": [7], "skip_special_tokens": True, "use_beam_search": False}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    p = server.engine.params[-1]
+    assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty, p.min_p, p.min_tokens,
+            p.stop_token_ids) == (1.3, 0.5, -0.5, 0.1, 2, (7,))
+
+
+def test_a_wrong_sampling_value_names_its_field(http):
+    r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "min_tokens": 3})
+    assert _assert_openai_error(r, 400, "invalid_sampling_params")["param"] == "min_tokens"
+
+
+def test_a_streamed_chat_sends_nothing_before_its_first_token(server):
+    """The role chunk goes out with the first token (as vLLM's), not at admission: tools time TTFT from the
+    first chunk. The engine holds its first token; no line of the stream may arrive meanwhile."""
+    import threading
+
+    eng = server.engine
+    eng.hold.clear()
+    body = {"messages": [{"role": "user", "content": "HOLD"}], "max_tokens": 2, "stream": True}
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as c, c.stream("POST", "/v1/chat/completions",
+                                                                          json=body) as resp:
+            assert resp.status_code == 200  # admitted: the status is sent before any chunk
+            lines = (line for line in resp.iter_lines() if line)
+            got: list[str] = []
+            reader = threading.Thread(target=lambda: got.append(next(lines)))
+            reader.start()
+            reader.join(0.5)  # nothing may come while the engine holds the first token
+            assert not got, got
+            eng.hold.set()
+            reader.join(30)
+            first = json.loads(got[0].removeprefix("data: "))
+            assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+            rest = [line for line in lines]
+            assert rest[-1] == "data: [DONE]"
+    finally:
+        eng.hold.set()

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from workers.sampling import make_generator, sample
+from workers.sampling import make_generator, penalize, sample
 from workers.sampling_params import SamplingParams
 
 
@@ -19,6 +19,12 @@ from workers.sampling_params import SamplingParams
     (dict(stop_token_ids=[1, -1]), "stop_token_ids must be non-negative integers"),
     (dict(stop_token_ids=5), "stop_token_ids must be a list"),
     (dict(ignore_eos="yes"), "ignore_eos must be a boolean"),
+    (dict(repetition_penalty=0.0), "repetition_penalty must be > 0"),
+    (dict(presence_penalty=2.5), r"presence_penalty must be in \[-2, 2\]"),
+    (dict(frequency_penalty=-3), r"frequency_penalty must be in \[-2, 2\]"),
+    (dict(min_p=1.5), r"min_p must be in \[0, 1\]"),
+    (dict(min_tokens=5, max_tokens=4), r"min_tokens must be an integer in \[0, max_tokens\]"),
+    (dict(min_tokens=-1), "min_tokens"),
 ])
 def test_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -108,3 +114,44 @@ def test_shape_errors():
         sample(torch.zeros(5), [SamplingParams()], [None])
     with pytest.raises(ValueError, match="2 logits rows but 1 params"):
         sample(torch.zeros(2, 5), [SamplingParams()], [None])
+
+
+def test_penalties_are_vllms():
+    """repetition over prompt and output (positive logits divided, negative multiplied), frequency per output
+    occurrence, presence once per output token: each term against the row computed by hand."""
+    row = torch.tensor([1.0, 2.0, -2.0, 4.0, 0.5])
+    prompt, output = [1, 2], [2, 3, 3]
+    p = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    want = torch.tensor([1.0, 2.0 / 2, -2.0 * 2 - 0.5 - 0.25, 4.0 / 2 - 1.0 - 0.25, 0.5])
+    assert torch.allclose(penalize(row, p, prompt, output), want)
+    assert torch.equal(row, torch.tensor([1.0, 2.0, -2.0, 4.0, 0.5]))  # the input row is left as it was
+    only_rep = penalize(row, SamplingParams(repetition_penalty=2.0), prompt, [])
+    assert torch.allclose(only_rep, torch.tensor([1.0, 1.0, -4.0, 4.0, 0.5]))  # the prompt alone counts too
+
+
+def test_a_penalty_changes_the_greedy_pick_and_needs_the_history():
+    logits = torch.tensor([[0.0, 3.0, 2.9, 0.0]])
+    greedy = SamplingParams(temperature=0.0)
+    penalized = SamplingParams(temperature=0.0, presence_penalty=1.0)
+    assert sample(logits, [greedy]) == [1]
+    assert sample(logits, [penalized], histories=[([0], [1])]) == [2]  # token 1 was output: it costs 1
+    with pytest.raises(ValueError, match="token history"):
+        sample(logits, [penalized])
+
+
+def test_min_tokens_holds_back_end_of_sequence_and_stop_tokens():
+    logits = torch.tensor([[0.0, 1.0, 9.0, 8.0]])  # 2 (eos) then 3 (a stop token) are the most likely
+    p = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=(3,), all_stop_token_ids=(2, 3))
+    assert sample(logits, [p], histories=[([5], [])]) == [1]
+    assert sample(logits, [p], histories=[([5], [1])]) == [1]
+    assert sample(logits, [p], histories=[([5], [1, 1])]) == [2]  # min_tokens reached
+    assert not SamplingParams(min_tokens=2).penalized  # nothing to hold back: no history needed
+
+
+def test_min_p_drops_tokens_below_its_share_of_the_most_likely():
+    probs = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    logits = probs.clamp_min(1e-9).log()[None].repeat(400, 1)
+    p = SamplingParams(temperature=1.0, min_p=0.5)  # keeps p >= 0.25: tokens 0 and 1
+    torch.manual_seed(0)
+    got = sample(logits, [p] * 400)
+    assert set(got) == {0, 1} and 0.5 < got.count(0) / 400 < 0.75  # renormalized: 0.5 / 0.8 = 0.625

@@ -1,11 +1,14 @@
-"""The sampler: greedy, temperature, top-k, top-p, per-request seeded generators.
+"""The sampler: penalties, greedy, temperature, min-p, top-k, top-p, per-request seeded generators.
 
 `sample` works on a batch of logits rows, one `SamplingParams` and one optional `torch.Generator` per row.
-Temperature 0 (or below 1e-5) is greedy (argmax; ties go to the lowest id). Otherwise logits are divided by the
-temperature, cut to the top-k, then to the smallest set whose probability reaches top_p (the most likely
-token always stays), and one token is drawn with the row's generator, so a seeded request draws the same
-tokens whatever else shares its batch. Filtering is batched; rows without a generator share one draw from the
-global RNG, seeded rows draw one by one.
+First the logits of rows with penalties (vLLM's: repetition over prompt and output, presence and frequency over
+the output) or with stop tokens held back (`min_tokens`) are adjusted from the row's token history. Temperature 0
+(or below 1e-5) is then greedy (argmax; ties go to the lowest id). Otherwise logits are divided by the
+temperature, tokens less likely than min_p times the most likely are dropped, the rest cut to the top-k, then to
+the smallest set whose probability reaches top_p (the most likely token always stays), and one token is drawn
+with the row's generator, so a seeded request draws the same tokens whatever else shares its batch. Rows with
+neither top-k nor top-p skip the sort (a full sort of the vocabulary was most of the sampler's time). Filtering
+is batched; rows without a generator share one draw from the global RNG, seeded rows draw one by one.
 """
 
 from __future__ import annotations
@@ -13,6 +16,9 @@ from __future__ import annotations
 import torch
 
 from workers.sampling_params import SamplingParams
+
+# per row: (prompt tokens, output tokens), what the penalties and min_tokens read
+History = tuple[list[int], list[int]]
 
 
 def make_generator(params: SamplingParams, device: str | torch.device = "cpu", draw: int = 0) -> torch.Generator | None:
@@ -28,9 +34,11 @@ _GOLDEN = 0x9E3779B97F4A7C15  # spreads the draws' seeds over the 64-bit space
 
 
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None] | None = None
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None] | None = None,
+    histories: list[History | None] | None = None,
 ) -> list[int]:
-    """Pick one token per row of `logits` [N, V] with the row's params and generator."""
+    """Pick one token per row of `logits` [N, V] with the row's params, generator and token history (needed
+    for the rows whose params are `penalized`)."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")
     n, vocab = logits.shape
@@ -39,32 +47,73 @@ def sample(
     if len(params) != n or len(generators) != n:
         raise ValueError(f"{n} logits rows but {len(params)} params and {len(generators)} generators")
     logits = logits.float()
+    penalized = [i for i, p in enumerate(params) if p.penalized]
+    if penalized:
+        if histories is None or len(histories) != n or any(histories[i] is None for i in penalized):
+            raise ValueError("rows with penalties or min_tokens need their token history")
+        logits = logits.clone()  # the caller's logits stay as they were
+        for i in penalized:
+            logits[i] = penalize(logits[i], params[i], *histories[i])
     out = logits.argmax(dim=-1).tolist()
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return out
     x = logits[rows] / torch.tensor([params[i].temperature for i in rows], device=logits.device)[:, None]
-    top_k = torch.tensor(
-        [params[i].top_k if 0 < params[i].top_k < vocab else vocab for i in rows], device=logits.device
-    )
-    top_p = torch.tensor([params[i].top_p for i in rows], device=logits.device)
+    min_p = torch.tensor([params[i].min_p for i in rows], device=logits.device)
+    if bool((min_p > 0).any()):
+        probs = x.softmax(dim=-1)
+        x = x.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+    top_k = [params[i].top_k if 0 < params[i].top_k < vocab else vocab for i in rows]
+    top_p = [params[i].top_p for i in rows]
+    if all(k == vocab for k in top_k) and all(p >= 1 for p in top_p):
+        return _draw(out, rows, x.softmax(dim=-1), None, generators)
     sorted_x, order = x.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=logits.device)[None, :]
-    drop = ranks >= top_k[:, None]
+    drop = ranks >= torch.tensor(top_k, device=logits.device)[:, None]
     probs = sorted_x.masked_fill(drop, float("-inf")).softmax(dim=-1)
     before = probs.cumsum(dim=-1) - probs  # probability mass strictly before each token
-    drop |= (before >= top_p[:, None]) & (top_p[:, None] < 1)
+    cut = torch.tensor(top_p, device=logits.device)[:, None]
+    drop |= (before >= cut) & (cut < 1)
     drop[:, 0] = False
-    sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-    probs = sorted_x.softmax(dim=-1)
-    picks = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+    return _draw(out, rows, sorted_x.masked_fill(drop, float("-inf")).softmax(dim=-1), order, generators)
+
+
+def _draw(out: list[int], rows: list[int], probs: torch.Tensor, order: torch.Tensor | None,
+          generators: list[torch.Generator | None]) -> list[int]:
+    """One token per row of `probs` (over the vocabulary, or over `order`'s sorted ids) into `out`."""
+    picks = torch.empty(len(rows), dtype=torch.long, device=probs.device)
     shared = [j for j, i in enumerate(rows) if generators[i] is None]
     if shared:  # rows without their own generator: one draw from the global RNG
         picks[shared] = torch.multinomial(probs[shared], 1).squeeze(1)
     for j, i in enumerate(rows):
         if generators[i] is not None:
             picks[j] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
-    tokens = order.gather(1, picks[:, None]).squeeze(1).tolist()
+    tokens = (picks if order is None else order.gather(1, picks[:, None]).squeeze(1)).tolist()
     for j, i in enumerate(rows):
         out[i] = tokens[j]
     return out
+
+
+def penalize(row: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """One row's logits [V] after vLLM's penalties and min_tokens (its `apply_penalties` and min-tokens
+    processor): a token seen in the prompt or the output has a positive logit divided by repetition_penalty
+    and a negative one multiplied; each output occurrence costs frequency_penalty, any costs presence_penalty;
+    before min_tokens output tokens, end-of-sequence and stop tokens cannot be drawn."""
+    vocab = row.shape[0]
+    dev = row.device
+    counts = torch.bincount(torch.tensor(output, dtype=torch.long, device=dev), minlength=vocab)[:vocab] \
+        if output else torch.zeros(vocab, dtype=torch.long, device=dev)
+    if p.repetition_penalty != 1.0:
+        seen = counts > 0
+        if prompt:
+            seen[torch.tensor(prompt, dtype=torch.long, device=dev)] = True
+        scaled = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+        row = torch.where(seen, scaled, row)
+    if p.frequency_penalty:
+        row = row - p.frequency_penalty * counts.to(row.dtype)
+    if p.presence_penalty:
+        row = row - p.presence_penalty * (counts > 0).to(row.dtype)
+    if len(output) < p.min_tokens and p.all_stop_token_ids:
+        held = [t for t in p.all_stop_token_ids if t < vocab]
+        row = row.index_fill(0, torch.tensor(held, dtype=torch.long, device=dev), float("-inf"))
+    return row

@@ -20,6 +20,16 @@ class SamplingParams:
     seed: int | None = None  # None: one is drawn at random for the request (its tp ranks and re-sends share it)
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # vLLM's extensions, with its semantics: repetition_penalty over prompt and output tokens (a positive logit
+    # divided by it, a negative one multiplied), presence/frequency penalties over output tokens (OpenAI's),
+    # min_p relative to the most likely token, and no end-of-sequence or stop token before min_tokens
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    # what min_tokens holds back (the engine fills it in: its eos ids unless ignore_eos, and stop_token_ids)
+    all_stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -42,8 +52,26 @@ class SamplingParams:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
         object.__setattr__(self, "stop_token_ids", stops)
+        object.__setattr__(self, "all_stop_token_ids", tuple(self.all_stop_token_ids))
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= 1e6:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -2 <= v <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or \
+                not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the logits depend on the tokens so far (penalties, or stop tokens held back)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0 or self.frequency_penalty != 0
+                or (self.min_tokens > 0 and bool(self.all_stop_token_ids)))
 
     @property
     def greedy(self) -> bool:

@@ -56,7 +56,8 @@ def layout_of(kv: KVCacheManager, spec: RankSpec, incarnation: str, node_id: str
 
 
 class _Req:
-    __slots__ = ("id", "tokens", "params", "salt", "drawn", "device", "kv", "warmup", "prio", "keys", "first")
+    __slots__ = ("id", "tokens", "params", "salt", "drawn", "device", "kv", "warmup", "prio", "keys", "first",
+                 "prompt_len")
 
     def __init__(self, new: NewRequest, device: str) -> None:
         self.id = new.request_id
@@ -64,12 +65,19 @@ class _Req:
         self.params = new.params
         self.salt = new.cache_salt
         self.drawn = new.drawn
+        self.prompt_len = len(self.tokens) - new.drawn  # a re-sent request's prompt ends with its earlier output
         self.device = device
         self.kv = None
         self.warmup = new.warmup
         self.prio = 0
         self.keys = new.block_keys
         self.first = not new.warmup  # its first stats commit is still to come (predicted vs realized)
+
+    def history(self) -> tuple[list[int], list[int]] | None:
+        """(prompt, output) tokens, for the sampler's penalties and min_tokens; None when it has neither."""
+        if not self.params.penalized:
+            return None
+        return self.tokens[:self.prompt_len], self.tokens[self.prompt_len:]
 
     def generator(self) -> torch.Generator | None:
         """The generator of the request's next draw (seeded per draw: a rank that takes the request over
@@ -277,14 +285,15 @@ class RankWorker:
             return {}
         sampled = {}
         try:
-            toks = sample(torch.stack([logits[i] for i in done]), [runs[i][0].params for i in done],
-                          [runs[i][0].generator() for i in done])
+            reqs = [runs[i][0] for i in done]
+            toks = sample(torch.stack([logits[i] for i in done]), [r.params for r in reqs],
+                          [r.generator() for r in reqs], [r.history() for r in reqs])
             sampled = dict(zip(done, toks, strict=True))
         except Exception:
             for i in done:
                 req = runs[i][0]
                 try:
-                    sampled[i] = sample(logits[i][None], [req.params], [req.generator()])[0]
+                    sampled[i] = sample(logits[i][None], [req.params], [req.generator()], [req.history()])[0]
                 except Exception as e:
                     self._fail(req, e, failed)
         for i in sampled:
