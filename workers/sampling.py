@@ -8,7 +8,8 @@ temperature, tokens less likely than min_p times the most likely are dropped, th
 the smallest set whose probability reaches top_p (the most likely token always stays), and one token is drawn
 with the row's generator, so a seeded request draws the same tokens whatever else shares its batch. Rows with
 neither top-k nor top-p skip the sort (a full sort of the vocabulary was most of the sampler's time). Filtering
-is batched; rows without a generator share one draw from the global RNG, seeded rows draw one by one.
+is batched; rows without a generator share one draw from the global RNG, seeded rows (every sampled request the
+engine serves: it seeds them) draw their noise one by one.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def sample(
     top_k = [params[i].top_k if 0 < params[i].top_k < vocab else vocab for i in rows]
     top_p = [params[i].top_p for i in rows]
     if all(k == vocab for k in top_k) and all(p >= 1 for p in top_p):
-        return _draw(out, rows, x.softmax(dim=-1), None, generators)
+        return _draw(out, rows, x, None, generators)
     sorted_x, order = x.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=logits.device)[None, :]
     drop = ranks >= torch.tensor(top_k, device=logits.device)[:, None]
@@ -75,19 +76,23 @@ def sample(
     cut = torch.tensor(top_p, device=logits.device)[:, None]
     drop |= (before >= cut) & (cut < 1)
     drop[:, 0] = False
-    return _draw(out, rows, sorted_x.masked_fill(drop, float("-inf")).softmax(dim=-1), order, generators)
+    return _draw(out, rows, sorted_x.masked_fill(drop, float("-inf")), order, generators)
 
 
-def _draw(out: list[int], rows: list[int], probs: torch.Tensor, order: torch.Tensor | None,
+def _draw(out: list[int], rows: list[int], x: torch.Tensor, order: torch.Tensor | None,
           generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row of `probs` (over the vocabulary, or over `order`'s sorted ids) into `out`."""
-    picks = torch.empty(len(rows), dtype=torch.long, device=probs.device)
+    """One token per row of logits `x` (over the vocabulary, or over `order`'s sorted ids; -inf never drawn)
+    into `out`: the Gumbel-max draw, argmax(x - log E) with E ~ Exp(1) per token, which picks token i with
+    probability softmax(x)_i without a softmax, and with one generator call per seeded row (vLLM draws so too;
+    torch.multinomial with a row's generator was 8x slower a step: bench/sampler_bench.py)."""
+    noise = torch.empty_like(x)
     shared = [j for j, i in enumerate(rows) if generators[i] is None]
     if shared:  # rows without their own generator: one draw from the global RNG
-        picks[shared] = torch.multinomial(probs[shared], 1).squeeze(1)
+        noise[shared] = torch.empty(len(shared), x.shape[1], device=x.device).exponential_()
     for j, i in enumerate(rows):
         if generators[i] is not None:
-            picks[j] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
+            noise[j].exponential_(generator=generators[i])
+    picks = (x - noise.log_()).argmax(dim=-1)
     tokens = (picks if order is None else order.gather(1, picks[:, None]).squeeze(1)).tolist()
     for j, i in enumerate(rows):
         out[i] = tokens[j]
