@@ -65,7 +65,8 @@ class Routed:
     `prompt`: Ray Serve LLM's PrefixCacheAffinityRouter takes the text of a `prompt` attribute of any
     positional argument (the prompt as the engine sees it, a chat's templated text). `token_ids`, `cache_salt`,
     `max_tokens`: what `KVFleetRouter` keys and weighs. It writes `engine`, `dp`, `blocks` (the prompt blocks
-    the group holds) and its ticket before Serve sends the call, so they travel with it."""
+    the group holds), `partial` (the prompt tokens past them its rank will reuse in part) and its ticket before
+    Serve sends the call, so they travel with it."""
 
     prompt: str = ""
     token_ids: list[int] | None = None
@@ -74,12 +75,13 @@ class Routed:
     engine: str | None = None
     dp: int = -1
     blocks: int = 0
+    partial: int = 0
     router: str = ""  # the deciding router's view id, and its ticket for this request (ReplicaView.report)
     ticket: int = -1
 
-    def placed(self, engine_id: str) -> tuple[int, int] | None:
-        """(dp group, blocks held) if the router chose a group of this engine."""
-        return (self.dp, self.blocks) if self.engine == engine_id and self.dp >= 0 else None
+    def placed(self, engine_id: str) -> tuple[int, int, int] | None:
+        """(dp group, blocks held, tokens reused in part past them) if the router chose a group of this engine."""
+        return (self.dp, self.blocks, self.partial) if self.engine == engine_id and self.dp >= 0 else None
 
 
 @dataclass
@@ -251,6 +253,7 @@ def _decide(view: FleetView, v: ReplicaView, routed: Routed, dp: int, blocks: in
     """Write the decision on `routed` (it travels with the call), and count it in the replica's view until the
     replica reports it."""
     routed.engine, routed.dp, routed.blocks = v.engine, dp, blocks
+    routed.partial = v.index.partial_tokens(dp, routed.token_ids, keys, blocks, routed.cache_salt)
     routed.router, routed.ticket = view.id, next(view.tickets)
     total = len(routed.token_ids) + routed.max_tokens  # what the engine's load and room count once it has it
     v.sent.append(Sent(routed.ticket, dp, total - blocks * v.block_size, -(-total // v.block_size) - blocks, keys,
@@ -262,7 +265,7 @@ def _undecide(view: FleetView, routed: Routed) -> None:
     decision never reached a replica, so it leaves the view, and `routed` carries none until this one."""
     if routed.router == view.id and routed.ticket >= 0:
         view.unsend(routed.ticket)
-    routed.engine, routed.dp, routed.blocks, routed.router, routed.ticket = None, -1, 0, "", -1
+    routed.engine, routed.dp, routed.blocks, routed.partial, routed.router, routed.ticket = None, -1, 0, 0, "", -1
 
 
 def routed_of(pending_request: Any) -> Routed | None:
@@ -339,7 +342,8 @@ class FleetFollower:
         if v is None or v.engine != got["engine"]:
             if rid not in self._view.live:
                 return None
-            v = ReplicaView(got["engine"], got["block_size"], KVIndex(len(got["groups"]), 1 << 30), got["groups"])
+            v = ReplicaView(got["engine"], got["block_size"], KVIndex(len(got["groups"]), 1 << 30, got["block_size"]),
+                            got["groups"])
             self._view.replicas[rid] = v
         ok = True
         for eid, event in got["events"]:

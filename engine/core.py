@@ -223,7 +223,7 @@ class Engine(GroupRecovery):
 
     async def generate(self, request_id: str | None, prompt_token_ids: list[int], params: SamplingParams,
                        cache_salt: str | None = None, announce: bool = False, drawn: int = 0,
-                       placed: tuple[int, int] | None = None) -> AsyncIterator[TokenEvent | None]:
+                       placed: tuple[int, int, int] | None = None) -> AsyncIterator[TokenEvent | None]:
         """Stream a request's tokens; closing the iterator (the client went away) aborts it. `announce`: None
         first, once the request is admitted (the ingress answers a refusal before any response starts).
         `drawn`, `placed`: as in `submit`."""
@@ -238,12 +238,13 @@ class Engine(GroupRecovery):
                 self.abort(req.id)
 
     def submit(self, request_id: str | None, prompt_token_ids: list[int], params: SamplingParams,
-               cache_salt: str | None = None, drawn: int = 0, placed: tuple[int, int] | None = None) -> Request:
+               cache_salt: str | None = None, drawn: int = 0, placed: tuple[int, int, int] | None = None) -> Request:
         """Admit a request, or refuse it at once: RequestError (bad input), Overloaded (the waiting queue is
         full), EngineError (no dp group can ever take it, or shutting down). `drawn`: tokens another engine
         already sampled for it (the ingress re-sends a dead replica's request as prompt + those tokens), so a
-        seeded sampler draws on where it was. `placed`: (dp group, prompt blocks it holds) as the fleet's router
-        chose them; the request goes there while that group is up, else where this engine's routing puts it."""
+        seeded sampler draws on where it was. `placed`: (dp group, prompt blocks it holds, prompt tokens past them
+        its rank reuses in part) as the fleet's router chose them; the request goes there while that group is up,
+        else where this engine's routing puts it."""
         if self.error:
             raise EngineError(self.error, RETRY_AFTER_DOWN_S)
         if self._closing:
@@ -264,7 +265,8 @@ class Engine(GroupRecovery):
             raise RequestError(f"drawn must be an integer in [0, {len(prompt_token_ids)}), got {drawn!r}")
         req = Request(rid, list(prompt_token_ids), params, cache_salt, params.max_tokens, drawn=drawn)
         if placed is not None:
-            req.placed, req.fleet_predicted = placed[0], self.router.predicted(placed[1])
+            worth = self.router.partial_worth if placed[2] else 0  # the block its rank reuses in part, if any
+            req.placed, req.fleet_predicted = placed[0], self.router.predicted(placed[1]) + worth
         self._place(req)
         self._requests[rid] = req
         return req

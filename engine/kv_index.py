@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import Any
 
 from kvcache.events import CLEARED, MOVED, REMOVED, STORED, KVEvent, root_key
 
@@ -90,6 +91,18 @@ class KVIndex:
             del by_first[tokens[0]]
             if not by_first:
                 del self.children[dp][parent]
+
+    def partial_tokens(self, dp: int, prompt: list[int], keys: list[int], held: int, salt: Any) -> int:
+        """Prompt tokens past its first `held` full blocks (`keys`: the prompt's) that group `dp`'s rank will
+        reuse in part, as the rank matches (`KVCacheManager.match`: at most a block less one, never the prompt's
+        last token); 0 where the index holds no tokens. The engine's and the fleet's predictions both use it."""
+        B = self.tokens_per_block
+        n = held * B
+        cap = min(len(prompt) - 1 - n, B - 1)
+        if not B or cap <= 0:
+            return 0
+        parent = keys[held - 1] if held else root_key(salt)
+        return self.partial_match(dp, parent, prompt[n:n + cap])
 
     def partial_match(self, dp: int, parent: int, tokens: list[int]) -> int:
         """The most of `tokens` (at most a block less one) that a block group `dp` holds under `parent` starts

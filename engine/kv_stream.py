@@ -45,12 +45,16 @@ def vllm_event(ev: KVEvent, dp: int, block_size: int, ts: float) -> list[dict[st
 
 def index_events(event: dict[str, Any]) -> tuple[int, list[KVEvent]]:
     """The inverse of `vllm_event` for a follower of this stream (the fleet's router): (dp group, the events
-    a KVIndex applies). Only keys and media: a snapshot's and a salted block's events carry nothing more."""
+    a KVIndex applies). Keys and media, and a stored block's parent and tokens where it has them (a snapshot's
+    and a salted block's carry none: those blocks are never matched in part one level up)."""
     dp = event.get("dp_rank") or 0
     kind = event["type"]
     if kind == "AllBlocksCleared":
         return dp, [KVEvent(CLEARED)]
     tier = MEDIUM.index(event.get("medium") or "GPU")
+    if kind == "BlockStored" and event.get("token_ids") and len(event["block_hashes"]) == 1:
+        return dp, [KVEvent(STORED, event["block_hashes"][0], event.get("parent_block_hash"),
+                            tuple(event["token_ids"]), tier)]
     kind = {"BlockStored": STORED, "BlockRemoved": REMOVED}[kind]
     return dp, [KVEvent(kind, key, tier=tier) for key in event["block_hashes"]]
 

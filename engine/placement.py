@@ -139,13 +139,7 @@ class Router:
         (`KVCacheManager.match`: at most a block less one, never the prompt's last token)."""
         if not self.partial_worth or req.block_keys is None or not self._events_on:
             return 0
-        m = self._last_hits
-        n = m * self.B
-        cap = min(len(req.prompt) - 1 - n, self.B - 1)
-        if cap <= 0:
-            return 0
-        parent = req.block_keys[m - 1] if m else root_key(req.cache_salt)
-        return self.index.partial_match(req.dp, parent, req.prompt[n:n + cap])
+        return self.index.partial_tokens(req.dp, req.prompt, req.block_keys, self._last_hits, req.cache_salt)
 
     def choose(self, keys: list[int] | None, prompt_len: int, groups: Sequence[Any], up: list[int]) -> tuple[int, int]:
         """(dp group, predicted reused blocks) for a request of `prompt_len` tokens with these block keys."""

@@ -96,6 +96,25 @@ def test_the_replica_holding_the_prefix_gets_it_and_predicted_equals_realized():
     run(main())
 
 
+def test_the_fleet_predicts_the_block_a_rank_reuses_in_part_as_the_engine_does():
+    """One rule at both levels: the router's index holds the unsalted blocks' tokens from the replica's event
+    stream, so it predicts the partial reuse past the held full blocks, as the engine does and the rank realizes."""
+    async def main():
+        fleet = await two_engines()
+        first, _ = await fleet.ask(TENANT_A + [200, 201, 202, 203])  # publishes a trailing block [200, 201, ...]
+        for eng in fleet.engines.values():
+            eng.router.take_record()
+        rid, routed = await fleet.ask(TENANT_A + [200, 201, 77, 78])
+        assert rid == first and routed.blocks == 6 and routed.partial == 2
+        eng = fleet.engines[rid]
+        rec = eng.router.take_record()
+        want = eng.router.reuse_table[6] + eng.router.partial_worth
+        assert rec["fleet"]["predictedReusedBlocks"] == rec["fleet"]["realizedReusedBlocks"] == want
+        assert rec["predictedReusedBlocks"] == want
+
+    run(main())
+
+
 def test_the_chosen_dp_group_is_where_the_engine_puts_it():
     async def main():
         fleet = await two_engines(dp=2)
