@@ -36,10 +36,10 @@ def test_a_tiny_temperature_is_greedy_and_the_engine_goes_on():
 def test_a_request_whose_sampling_raises_fails_alone(monkeypatch):
     real = worker_module.sample
 
-    def sample(logits, params, generators):
+    def sample(logits, params, generators, histories=None):
         if any(p.seed == 666 for p in params):
             raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0\nmore lines")
-        return real(logits, params, generators)
+        return real(logits, params, generators, histories)
 
     monkeypatch.setattr(worker_module, "sample", sample)
 

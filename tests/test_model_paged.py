@@ -132,3 +132,36 @@ def test_kv_cache_of_another_model_is_rejected(builtin):
     assert kv.resume() and kv.resize(3)
     with pytest.raises(RuntimeError, match="KV cache holds"):
         model([SeqInput([1, 2, 3], 0, kv)], mgr)
+
+
+def test_decode_attention_in_place_equals_the_gather(builtin):
+    """The CPU kernel that reads the cache's blocks in place (workers/paged_kernels.py) against the gather +
+    SDPA path, on a decode batch of sequences of different lengths, one past the sliding layer's window (its
+    first blocks stale): the same logits, step after step. The kernel must build here (CI has a compiler)."""
+    from workers.paged_kernels import cpu_decode_kernel
+
+    assert cpu_decode_kernel() is not None
+    model, cfg = builtin
+    prompts = [PROMPT[:90], PROMPT[3:40], PROMPT[:9]]  # 90 + decode steps > window 64: stale blocks
+    logits = {}
+    for on in (True, False):
+        for layer in model.model.layers:
+            layer.self_attn.paged_kernel = on
+        mgr = make_manager(cfg, max_seq_len=256, reuse=False)
+        kvs = [mgr.create_kv_cache(f"r{i}", p) for i, p in enumerate(prompts)]
+        for kv, p in zip(kvs, prompts, strict=True):
+            step(model, mgr, kv, p)
+        runs = []
+        for n in range(6):
+            for kv in kvs:
+                assert kv.resize(kv.history_length + 1)
+            toks = [[(7 * n + i) % 200 + 1] for i in range(len(kvs))]
+            runs.append(torch.stack(model([SeqInput(t, kv.history_length, kv) for t, kv in zip(toks, kvs,
+                                                                                               strict=True)], mgr)))
+            for t, kv in zip(toks, kvs, strict=True):
+                kv.commit(t)
+        logits[on] = runs
+    for layer in model.model.layers:
+        layer.self_attn.paged_kernel = True
+    for a, b in zip(logits[True], logits[False], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

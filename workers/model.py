@@ -26,6 +26,7 @@ from torch import nn
 
 from workers.config import ModelConfig
 from workers.paged_batch import Batch, DecodePlan, SeqView
+from workers.paged_kernels import cpu_decode_kernel
 from workers.parallel import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, param
 
 
@@ -127,6 +128,7 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_heads * D, cfg.hidden_size, cfg.o_bias, tp_rank, tp_size, group)
         self.q_norm = RMSNorm(D, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(D, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.paged_kernel = True  # decode attention through cpu_decode_kernel where it applies (benchmarks turn it off)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Batch) -> torch.Tensor:
         T = x.shape[0]
@@ -180,9 +182,16 @@ class Attention(nn.Module):
         d: DecodePlan,
         out: torch.Tensor,
     ) -> None:
-        """One query per sequence: write its K/V, gather every sequence's blocks padded, one SDPA call."""
+        """One query per sequence: write its K/V, then on CPU (fp32) read every sequence's blocks in place with
+        our kernel (workers/paged_kernels.py); elsewhere gather them padded for one SDPA call."""
         k_cache[d.write_slots, d.write_offsets] = k[d.rows].to(k_cache.dtype)
         v_cache[d.write_slots, d.write_offsets] = v[d.rows].to(v_cache.dtype)
+        if self.paged_kernel and q.device.type == "cpu" and q.dtype == k_cache.dtype == torch.float32:
+            kernel = cpu_decode_kernel()
+            if kernel is not None:
+                out[d.rows] = kernel(q[d.rows].contiguous(), k_cache, v_cache, d.table, d.key_lo, d.key_len,
+                                     self.scale)
+                return
         S, H, D = d.table.shape[0], self.num_kv_heads, self.head_dim
         # padding and unwritten slot memory may hold anything, NaN included: zero it, then mask it. In place on
         # the gathered copy, and only where invalid: a full masked_fill pass was a third of a decode step on CPU

@@ -47,6 +47,8 @@ class DecodePlan:
     write_slots: torch.Tensor  # [S]
     write_offsets: torch.Tensor  # [S]
     table: torch.Tensor  # [S, max_blocks] slots, padded with slot 0 (masked out)
+    key_lo: torch.Tensor  # [S] int64: the first key position read, relative to the table's first block
+    key_len: torch.Tensor  # [S] int64
     valid: torch.Tensor  # [S, max_blocks * B] bool: key inside [key_lo, key_lo + key_len)
     invalid: tuple[torch.Tensor, torch.Tensor]  # (sequence, key) indices of the other positions
 
@@ -81,14 +83,16 @@ class Batch:
         width = max(p.read_slots.numel() for p in plans)
         table = torch.stack([F.pad(p.read_slots, (0, width - p.read_slots.numel()), value=0) for p in plans])
         idx = torch.arange(width * B, device=dev)[None, :]
-        lo = torch.tensor([p.key_lo for p in plans], device=dev)[:, None]
-        hi = lo + torch.tensor([p.key_len for p in plans], device=dev)[:, None]
-        valid = (idx >= lo) & (idx < hi)
+        key_lo = torch.tensor([p.key_lo for p in plans], dtype=torch.long, device=dev)
+        key_len = torch.tensor([p.key_len for p in plans], dtype=torch.long, device=dev)
+        valid = (idx >= key_lo[:, None]) & (idx < (key_lo + key_len)[:, None])
         return DecodePlan(
             rows=torch.tensor([s.offset for s in self.decodes], device=dev),
             write_slots=torch.cat([p.write_slots for p in plans]),
             write_offsets=torch.cat([p.write_offsets for p in plans]),
             table=table,
+            key_lo=key_lo,
+            key_len=key_len,
             valid=valid,
             invalid=torch.nonzero(~valid, as_tuple=True),
         )
