@@ -25,6 +25,7 @@ from kvcache import KVCacheManager
 from kvcache.events import partial_reuse_worth, reuse_table
 from workers.loader import kv_cache_config, load_model
 from workers.model import SeqInput
+from workers.paged_kernels import cpu_decode_kernel
 from workers.parallel import TPGroup, free_port, group_min, init_tp_group, node_ip
 from workers.sampling import make_generator, sample
 from workers.step import NewRequest, RankSpec, StepPlan, StepResult, Work
@@ -122,6 +123,8 @@ class RankWorker:
             else:
                 hi = mid - 1
         self.max_request_tokens, self.vocab_size = lo, cfg.vocab_size
+        if self.device == "cpu":
+            cpu_decode_kernel()  # built (or loaded from the cache) here, not in the first request's step
         log.info("rank %d (dp %d, tp %d) ready on %s: %d primary blocks, requests up to %d tokens",
                  s.rank, s.dp_rank, s.tp_rank, self.device, self.kv.get_kv_cache_stats().max_num_blocks, lo)
         return self._info()
