@@ -347,13 +347,17 @@ def test_replicas_with_no_group_up_rank_after_every_other():
     run(main())
 
 
+async def routed_call():
+    """Two engines, a kv router over them, and one generate call's `Routed` as Serve's pending request."""
+    fleet = await two_engines()
+    routed = Routed(token_ids=TENANT_A + [200], max_tokens=3)
+    return fleet, kv_router(fleet), routed, pending(routed)
+
+
 def test_a_decision_serve_sent_to_another_replica_leaves_the_chosen_ones_load_at_once():
     """The chosen replica was full, and Serve took one of the next rank: its `on_request_routed` says which."""
     async def main():
-        fleet = await two_engines()
-        router = kv_router(fleet)
-        routed = Routed(token_ids=TENANT_A + [200], max_tokens=3)
-        request = pending(routed)
+        fleet, router, routed, request = await routed_call()
         (chosen,), (other,) = await router.choose_replicas(fleet.replicas, request)
         view = fleet.view.replicas[chosen.replica_id.unique_id]
         assert [s.ticket for s in view.sent] == [routed.ticket] and view.pending(0) != (0, 0)
@@ -373,10 +377,7 @@ def test_a_decision_serve_sent_to_another_replica_leaves_the_chosen_ones_load_at
 def test_a_request_routed_again_leaves_no_trace_of_its_last_decision():
     """A replica that rejected the request (full), or died before taking it: Serve routes it again."""
     async def main():
-        fleet = await two_engines()
-        router = kv_router(fleet)
-        routed = Routed(token_ids=TENANT_A + [200], max_tokens=3)
-        request = pending(routed)
+        fleet, router, routed, request = await routed_call()
         await router.choose_replicas(fleet.replicas, request)
         first = routed.ticket
         await router.choose_replicas(fleet.replicas, request)
