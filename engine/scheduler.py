@@ -1,9 +1,9 @@
 """A dp group's queues and the rule that plans its step.
 
 Each group keeps its waiting requests (FIFO), its running ones (oldest first: their order is the ranks'
-preemption priority) and the ids to close on its ranks next step. A plan admits waiting requests while the
-group runs fewer than `max_num_seqs`, then spends the step's token budget on decodes first (one token each),
-then on prefill chunks, oldest first.
+preemption priority) and the ids to close on its ranks next step. A plan spends the step's token budget on
+decodes first (one token each), then on prefill chunks, oldest first, then admits waiting requests while the
+budget lasts and the group runs fewer than `max_num_seqs`.
 """
 
 from __future__ import annotations
@@ -134,21 +134,15 @@ def apply_result(g: Group, res: StepResult, requests: dict[str, Request],
 
 
 def plan_group(g: Group, iteration: int, s: EngineConfig) -> StepPlan:
-    """One group's plan: new requests while there is room, then a token budget: decodes first, then prefill
-    chunks, oldest first."""
+    """One group's plan: a token budget spent on decodes first (one token each), then prefill chunks of the
+    running requests, oldest first, then on waiting requests, admitted only while the budget lasts (and fewer
+    than `max_num_seqs` run), as vLLM's scheduler does: a request created on the ranks matches the reuse tree
+    then, so one that waits behind another of the same prefix finds that prefix's blocks published instead of
+    prefilling it again beside it. A new request's claim on the budget is what its placement does not expect
+    cached (the rank computes at most its budget past what it reuses)."""
     plan = StepPlan(iteration, close=g.to_close)
     g.to_close = []
     g.admitted = []
-    now = time.monotonic()
-    while g.waiting and len(g.running) < s.max_num_seqs:
-        req = g.waiting.popleft()
-        g.admitted.append(now - req.times.queued)
-        req.times.scheduled = req.times.scheduled or now
-        # a re-queued request prefills what it already generated too, and its sampler goes on where it was
-        plan.new.append(NewRequest(req.id, req.prompt + req.generated, req.params, req.cache_salt,
-                                   drawn=req.drawn + len(req.generated), block_keys=req.block_keys))
-        req.created = True
-        g.running.append(req)
     budget = s.max_num_batched_tokens
     decodes = [r for r in g.running if r.total - r.known_history <= 1]
     prefills = [r for r in g.running if r.total - r.known_history > 1]
@@ -161,6 +155,19 @@ def plan_group(g: Group, iteration: int, s: EngineConfig) -> StepPlan:
             break
         n = min(budget, r.total - r.known_history)
         given[r.id] = n
+        budget -= n
+    now = time.monotonic()
+    while g.waiting and len(g.running) < s.max_num_seqs and budget > 0:
+        req = g.waiting.popleft()
+        g.admitted.append(now - req.times.queued)
+        req.times.scheduled = req.times.scheduled or now
+        # a re-queued request prefills what it already generated too, and its sampler goes on where it was
+        plan.new.append(NewRequest(req.id, req.prompt + req.generated, req.params, req.cache_salt,
+                                   drawn=req.drawn + len(req.generated), block_keys=req.block_keys))
+        req.created = True
+        g.running.append(req)
+        n = min(budget, max(1, req.total - max(req.known_history, req.hit_tokens)))
+        given[req.id] = n
         budget -= n
     for r in g.running:  # priority: oldest first
         if r.id in given:

@@ -240,3 +240,18 @@ def test_the_prediction_counts_the_block_a_rank_reuses_in_part():
         assert rec["predictedReusedBlocks"] == 3 * full + 2 * worth  # the first and third reuse part of the tail
 
     run(main())
+
+
+def test_requests_that_arrive_together_share_a_prefix_the_first_one_computes():
+    """The scheduler admits a waiting request only while the step's token budget lasts (as vLLM's): one that
+    arrives with another of the same prefix is created on the rank once that prefix's blocks are published, and
+    reuses them, rather than prefilling the same prefix beside it (all three were created at once before)."""
+    async def main():
+        eng = await routed_engine(dp=1)  # max_num_batched_tokens 48: a 97-token prompt takes three steps
+        await asyncio.gather(*[ask(eng, TENANT_A + [210 + i]) for i in range(3)])
+        await settled(eng)
+        rec = eng.router.take_record()
+        assert rec["requests"] == 3
+        assert rec["realizedReusedBlocks"] == 2 * eng.router.reuse_table[6] > 0  # all but the first
+
+    run(main())
