@@ -174,7 +174,7 @@ class _Generation:
         events = await _admitted(self.engine.generate(engine_rid, ids, params, req.cache_salt))
         text = self._text(engine_rid, events, req.stop_strings, params, usage)
         if req.stream:
-            chunks = self._chunks(kind, rid, created, text, usage, req.include_usage)
+            chunks = self._chunks(kind, rid, created, text, usage, req.include_usage, req.continuous_usage)
             sse = _sse_events(chunks) if pos is None else _numbered(chunks, pos)
             return StreamingResponse(_in_band_errors(sse), media_type="text/event-stream", headers=SSE_HEADERS)
         build = protocol.completion_response if kind == "text_completion" else protocol.chat_response
@@ -192,7 +192,7 @@ class _Generation:
                 raise APIError(400, "Last-Event-ID resumes a resumable stream: send it with stream=true and "
                                "stream_options.resumable=true", code="invalid_last_event_id", param="Last-Event-ID")
             return None
-        extra = (tuple(req.stop_strings), req.include_usage)
+        extra = (tuple(req.stop_strings), req.include_usage, req.continuous_usage)
         if cut is None:
             params = with_seed(params)
             return resume.StreamPosition(rid, created, params.seed, resume.request_digest(kind, ids, params, extra))
@@ -203,7 +203,15 @@ class _Generation:
         return pos
 
     async def _chunks(self, kind: str, rid: str, created: int, text: AsyncIterator[tuple[str, str | None]],
-                      usage: list[int], include_usage: bool) -> AsyncIterator[dict]:
+                      usage: list[int], include_usage: bool, continuous: bool = False) -> AsyncIterator[dict]:
+        """The stream's chunks; `continuous` (vLLM's continuous_usage_stats): each with the usage so far."""
+        async for chunk in self._content_chunks(kind, rid, created, text, usage, include_usage):
+            if continuous and "usage" not in chunk:
+                chunk["usage"] = protocol.usage(*usage)
+            yield chunk
+
+    async def _content_chunks(self, kind: str, rid: str, created: int, text: AsyncIterator[tuple[str, str | None]],
+                              usage: list[int], include_usage: bool) -> AsyncIterator[dict]:
         m = self.model
         role = kind == "chat.completion"
         async for delta, finish in text:

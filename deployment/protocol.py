@@ -51,6 +51,8 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="with include_usage, every chunk carries the usage "
+                                         "so far (an extension, as in vLLM)")
     resumable: bool = Field(False, description="an extension (as vLLM's continuous_usage_stats): every chunk "
                             "carries an SSE id, and a cut stream resumes with Last-Event-ID (docs/http-api.md)")
 
@@ -148,6 +150,10 @@ class SamplingRequest(_Strict):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     @property
     def resumable(self) -> bool:

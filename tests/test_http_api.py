@@ -318,3 +318,17 @@ def test_a_streamed_chat_sends_nothing_before_its_first_token(server):
             assert rest[-1] == "data: [DONE]"
     finally:
         eng.hold.set()
+
+
+def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk(server):
+    """vLLM's stream_options.continuous_usage_stats (GuideLLM sends it on every streamed request)."""
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "max_completion_tokens": 3,
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "stop": None, "ignore_eos": True}
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        with c.stream("POST", "/v1/chat/completions", json=body) as resp:
+            assert resp.status_code == 200
+            chunks = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    used = [ch["usage"]["completion_tokens"] for ch in chunks]
+    assert used == sorted(used) and used[-1] == 3 and all("usage" in ch for ch in chunks)
+    assert chunks[0]["usage"]["prompt_tokens"] == chunks[-1]["usage"]["prompt_tokens"] > 0
