@@ -115,8 +115,9 @@ class Engine(GroupRecovery):
                 f"{health['world_size']} and tp {health['tp']}, but this engine has {self.world_size} ranks "
                 f"(tp {s.tp}): use another engine_id, or stop the old engine first")
         self.iteration = first_iteration(health.get("last_iter"))
-        adopted = await self._adopt_all()  # a previous engine of this id died: its live groups, taken over
-        ranks.remove_leftovers(s.engine_id, list(adopted.values()))  # the rest of what it left
+        left = ranks.left_behind(s.engine_id)  # what a previous engine of this id left (its replica died)
+        adopted = await self._adopt_all(left)  # its live groups, taken over
+        ranks.remove_leftovers(s.engine_id, left, list(adopted.values()))  # the rest
 
         async def launch(dp: int) -> ranks.Launched:
             return adopted[dp] if dp in adopted else await self._launch(dp)
@@ -143,13 +144,10 @@ class Engine(GroupRecovery):
                  "%d tokens", s.engine_id, self.world_size, device, dtype, len(adopted), s.dp, self.iteration,
                  self.max_request_tokens)
 
-    async def _adopt_all(self) -> dict[int, ranks.Launched]:
+    async def _adopt_all(self, left: ranks.Left) -> dict[int, ranks.Launched]:
         """The dp groups a dead engine of this id left alive, taken over with their caches (engine/ranks.py).
         Not with compiled graphs: their ranks stay bound to the dead engine's graph."""
-        if self.config.step_transport != "actor_calls":
-            return {}
-        left = ranks.left_behind(self.config.engine_id)
-        if not left.actors:
+        if self.config.step_transport != "actor_calls" or not left.actors:
             return {}
         got = await asyncio.gather(*[ranks.adopt_group(self.config, dp, self._device, self._dtype, left)
                                      for dp in range(self.config.dp)])

@@ -281,13 +281,12 @@ async def _warm_up_step(workers: list, plan: StepPlan) -> StepResult:
     return outs[0]
 
 
-def remove_leftovers(engine_id: str, keep: list[Launched] = ()) -> int:
+def remove_leftovers(engine_id: str, left: Left, keep: list[Launched] = ()) -> int:
     """Kill the rank actors and remove the placement groups that an engine of this id left behind (its Serve
     replica died) but the groups in `keep` (adopted): a new engine starts every other group from a clean
     slate. Returns how many things it removed."""
     kept_actors = {w._actor_id for g in keep for w in g.workers}
     kept_pgs = {g.pg.id for g in keep}
-    left = left_behind(engine_id)
     removed = 0
     for name, namespace in left.actors.values():
         with contextlib.suppress(Exception):
