@@ -34,10 +34,10 @@ from tests.aggregator_support import FakeCluster  # noqa: E402
 
 @ray.remote(num_cpus=0)
 class NoOp:
-    async def register(self, layouts):
-        return {"epoch": 1, "acked": None}
+    async def register(self, layouts, session=None):
+        return {"epoch": 1, "session": 1, "acked": None}
 
-    async def ingest(self, iterations):
+    async def ingest(self, iterations, session=None):
         return {"epoch": 1, "acked": iterations[-1].iteration}
 
 
