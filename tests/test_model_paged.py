@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 from test_model_support import greedy, make_manager, step
 
 from workers.loader import load_model
@@ -165,3 +166,36 @@ def test_decode_attention_in_place_equals_the_gather(builtin):
         layer.self_attn.paged_kernel = True
     for a, b in zip(logits[True], logits[False], strict=True):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("block,head_dim,kv_heads,group,seqs",
+                         [(16, 64, 3, 3, 5), (8, 64, 2, 2, 1), (32, 128, 2, 4, 3), (16, 48, 1, 1, 2)])
+def test_decode_kernel_equals_sdpa_over_a_block_table(block, head_dim, kv_heads, group, seqs):
+    """The kernel alone, on the shapes its fast paths take and those they leave to the plain loop (16-key tiles
+    need a block of a multiple of 16 tokens; registers hold a head of 64 or 128): each sequence's keys from a
+    first position inside its first block, its blocks scattered over a cache whose free slots hold NaN."""
+    from workers.paged_kernels import cpu_decode_kernel
+
+    kernel = cpu_decode_kernel()
+    assert kernel is not None
+    g = torch.Generator().manual_seed(block + head_dim + seqs)
+    width = 7
+    slots = seqs * width + 3
+    k_cache = torch.full((slots, block, kv_heads, head_dim), float("nan"))
+    v_cache = torch.full((slots, block, kv_heads, head_dim), float("nan"))
+    table = torch.randperm(slots, generator=g)[: seqs * width].view(seqs, width).contiguous()
+    lo = torch.randint(0, block, (seqs,), generator=g)
+    length = torch.randint(1, width * block - block, (seqs,), generator=g)
+    q = torch.randn(seqs, kv_heads * group, head_dim, generator=g)
+    for s in range(seqs):
+        for p in range(int(lo[s]), int(lo[s] + length[s])):
+            slot, off = table[s, p // block], p % block
+            k_cache[slot, off] = torch.randn(kv_heads, head_dim, generator=g)
+            v_cache[slot, off] = torch.randn(kv_heads, head_dim, generator=g)
+    out = kernel(q, k_cache, v_cache, table, lo, length, head_dim**-0.5)
+    for s in range(seqs):
+        keys = k_cache[table[s]].reshape(-1, kv_heads, head_dim)[lo[s] : lo[s] + length[s]].transpose(0, 1)
+        vals = v_cache[table[s]].reshape(-1, kv_heads, head_dim)[lo[s] : lo[s] + length[s]].transpose(0, 1)
+        ref = F.scaled_dot_product_attention(q[s][:, None, :], keys, vals, scale=head_dim**-0.5,
+                                             enable_gqa=group > 1)[:, 0, :]
+        torch.testing.assert_close(out[s], ref, atol=1e-5, rtol=1e-5)
