@@ -63,7 +63,9 @@ class Settings(BaseSettings):
     enable_block_reuse: bool = Field(True, description="prefix reuse across requests")
     enable_partial_reuse: bool = Field(True, description="reuse a partly matching block")
     enable_stats: bool = Field(True, description="record KV cache statistics")
-    max_num_batched_tokens: int = Field(256, ge=1, description="token budget of one engine step")
+    max_num_batched_tokens: int = Field(
+        1024, ge=1, description="token budget of one engine step, per dp group (vLLM's CPU default is 2048 an engine)"
+    )
     max_num_seqs: int = Field(32, ge=1, description="requests running at once per dp group")
     max_tokens_default: int = Field(64, ge=1, description="max_tokens when a request names none")
     stats_buffer_size: int = Field(

@@ -46,7 +46,7 @@ class EngineConfig:
     dtype: str = "auto"
     seed: int = 0
     cache: CacheSettings = field(default_factory=CacheSettings)
-    max_num_batched_tokens: int = 256
+    max_num_batched_tokens: int = 1024
     max_num_seqs: int = 32
     num_cpus_per_rank: float = 0.5
     stats_buffer_size: int = 10_000

@@ -365,7 +365,8 @@ class Engine(GroupRecovery):
         pause = 0.0
         while True:
             await self._wake.wait()
-            plans = [None if g.down else plan_group(g, self.iteration, self.config) for g in self._groups]
+            plans = [None if g.down else plan_group(g, self.iteration, self.config, self.router.cached_tokens)
+                     for g in self._groups]
             if not any(p is not None and (p.new or p.work or p.close) for p in plans):
                 self._wake.clear()
                 continue

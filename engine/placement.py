@@ -169,6 +169,15 @@ class Router:
         self._last_hits = sum(self.index.prefix(dp, keys[:limit])) if keys and self._events_on else 0
         return self.predicted(self._last_hits)
 
+    def cached_tokens(self, req: Any) -> int:
+        """Prompt tokens the request's group holds for it now (full blocks, either tier), at least what its
+        placement predicted: what its admission will not compute. Placement guessed when the request arrived,
+        before the requests ahead of it had published the prefix they share (the plan's budget claim)."""
+        if not req.block_keys or not self._events_on:
+            return req.hit_tokens
+        limit = max(0, (len(req.prompt) - 1) // self.B)
+        return max(req.hit_tokens, sum(self.index.prefix(req.dp, req.block_keys[:limit])) * self.B)
+
     def predicted(self, blocks: int) -> int:
         table = self.reuse_table
         return table[min(blocks, len(table) - 1)] if table else blocks

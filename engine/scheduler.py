@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,13 +134,15 @@ def apply_result(g: Group, res: StepResult, requests: dict[str, Request],
     return out
 
 
-def plan_group(g: Group, iteration: int, s: EngineConfig) -> StepPlan:
+def plan_group(g: Group, iteration: int, s: EngineConfig,
+               cached_tokens: Callable[[Request], int] | None = None) -> StepPlan:
     """One group's plan: a token budget spent on decodes first (one token each), then prefill chunks of the
     running requests, oldest first, then on waiting requests, admitted only while the budget lasts (and fewer
     than `max_num_seqs` run), as vLLM's scheduler does: a request created on the ranks matches the reuse tree
     then, so one that waits behind another of the same prefix finds that prefix's blocks published instead of
     prefilling it again beside it. A new request's claim on the budget is what its placement does not expect
-    cached (the rank computes at most its budget past what it reuses)."""
+    cached (the rank computes at most its budget past what it reuses): `cached_tokens(req)` says it now,
+    from the group's KV index (engine/placement.py), else the placement's prediction stands."""
     plan = StepPlan(iteration, close=g.to_close)
     g.to_close = []
     g.admitted = []
@@ -166,7 +169,8 @@ def plan_group(g: Group, iteration: int, s: EngineConfig) -> StepPlan:
                                    drawn=req.drawn + len(req.generated), block_keys=req.block_keys))
         req.created = True
         g.running.append(req)
-        n = min(budget, max(1, req.total - max(req.known_history, req.hit_tokens)))
+        hit = cached_tokens(req) if cached_tokens is not None else req.hit_tokens
+        n = min(budget, max(1, req.total - max(req.known_history, hit)))
         given[req.id] = n
         budget -= n
     for r in g.running:  # priority: oldest first

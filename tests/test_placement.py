@@ -194,3 +194,28 @@ def test_a_salt_label_does_not_let_a_reader_hash_the_salts_prompts():
         label = int(salt_label(salt), 16)  # what /stats shows of the salt
         assert block_key(label, prompt[:B]) != prompt_keys(prompt, B, salt)[0]  # not the chain's root
         assert salt_label(salt) == salt_label(salt) != salt_label(salt + "x")  # stable, one per salt
+
+
+def test_a_waiting_request_claims_only_what_its_group_does_not_hold_when_it_is_admitted():
+    """Requests of one prefix that arrive together are all placed before any has prefilled it (placement
+    predicts no reuse); by the time they are admitted the first has published it, and the plan's budget counts
+    only each one's uncached tail, as vLLM's scheduler counts what the cache holds: all eight are admitted in
+    one step of 160 tokens, not two and a chunk."""
+    from collections import deque
+
+    from engine.scheduler import plan_group
+
+    r = router()
+    config = Settings(model="random", dp=3, max_num_batched_tokens=160).engine_config()
+    keys = prompt_keys(PROMPT, B)
+
+    def waiting() -> Group:
+        reqs = [Request(f"r{i}", PROMPT + [100 + i], SamplingParams(max_tokens=4), None, 4, dp=0) for i in range(8)]
+        for req in reqs:
+            req.block_keys = keys  # the 4 full blocks all share; the 65th token is each one's own
+        return Group(waiting=deque(reqs))
+
+    assert [w.budget for w in plan_group(waiting(), 0, config, r.cached_tokens).work] == [65, 65, 30]  # none held yet
+    hold(r, 0, keys)
+    assert [w.budget for w in plan_group(waiting(), 1, config, r.cached_tokens).work] == [1] * 8
+    assert [w.budget for w in plan_group(waiting(), 2, config).work] == [65, 65, 30]  # the placement's guess alone
