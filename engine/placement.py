@@ -41,6 +41,7 @@ from engine.config import KVEventsConfig, RoutingConfig
 from engine.kv_index import KVIndex
 from engine.kv_publisher import KVEventPublisher
 from engine.kv_stream import KVEventStream
+from engine.scheduler import shared_blocks
 from kvcache.events import prompt_keys, root_key
 
 POLICIES = ("kv", "least_loaded", "round_robin")
@@ -145,6 +146,11 @@ class Router:
         """(dp group, predicted reused blocks) for a request of `prompt_len` tokens with these block keys."""
         limit = max(0, (prompt_len - 1) // self.B)
         hits = {dp: self.index.prefix(dp, keys[:limit]) if keys and self._events_on else (0, 0) for dp in up}
+        if keys and self._events_on:  # a prefix on its way into a group's cache counts as held there
+            for dp in up:
+                coming = shared_blocks(keys[:limit], itertools.chain(groups[dp].waiting, groups[dp].running))
+                if coming > sum(hits[dp]):
+                    hits[dp] = (coming - hits[dp][1], hits[dp][1])
         if self.policy == "round_robin":
             dp = up[self._rr % len(up)]
             self._rr += 1

@@ -134,6 +134,25 @@ def apply_result(g: Group, res: StepResult, requests: dict[str, Request],
     return out
 
 
+def shared_blocks(keys: list[int] | None, requests: Any) -> int:
+    """The most leading full blocks of `keys` that one of `requests` still to be prefilled past them will
+    publish: a prefix on its way into the group's cache, which the index does not show yet."""
+    best = 0
+    if not keys:
+        return 0
+    for r in requests:
+        theirs = r.block_keys
+        if not theirs or theirs[0] != keys[0] or r.known_history >= len(r.prompt):
+            continue
+        n = 0
+        for a, b in zip(keys, theirs, strict=False):
+            if a != b:
+                break
+            n += 1
+        best = max(best, n)
+    return best
+
+
 def plan_group(g: Group, iteration: int, s: EngineConfig,
                cached_tokens: Callable[[Request], int] | None = None) -> StepPlan:
     """One group's plan: a token budget spent on decodes first (one token each), then prefill chunks of the
@@ -142,7 +161,9 @@ def plan_group(g: Group, iteration: int, s: EngineConfig,
     then, so one that waits behind another of the same prefix finds that prefix's blocks published instead of
     prefilling it again beside it. A new request's claim on the budget is what its placement does not expect
     cached (the rank computes at most its budget past what it reuses): `cached_tokens(req)` says it now,
-    from the group's KV index (engine/placement.py), else the placement's prediction stands."""
+    from the group's KV index (engine/placement.py), else the placement's prediction stands. A request whose
+    prefix a running request is still prefilling waits for it (behind it, not in place of the requests after
+    it): admitted beside it, it would compute the same blocks again."""
     plan = StepPlan(iteration, close=g.to_close)
     g.to_close = []
     g.admitted = []
@@ -160,8 +181,13 @@ def plan_group(g: Group, iteration: int, s: EngineConfig,
         given[r.id] = n
         budget -= n
     now = time.monotonic()
+    later: list[Request] = []
     while g.waiting and len(g.running) < s.max_num_seqs and budget > 0:
         req = g.waiting.popleft()
+        hit = cached_tokens(req) if cached_tokens is not None else req.hit_tokens
+        if shared_blocks(req.block_keys, g.running) * s.cache.tokens_per_block > hit:
+            later.append(req)  # a running request is prefilling its prefix: admitted once that is published
+            continue
         g.admitted.append(now - req.times.queued)
         req.times.scheduled = req.times.scheduled or now
         # a re-queued request prefills what it already generated too, and its sampler goes on where it was
@@ -169,10 +195,10 @@ def plan_group(g: Group, iteration: int, s: EngineConfig,
                                    drawn=req.drawn + len(req.generated), block_keys=req.block_keys))
         req.created = True
         g.running.append(req)
-        hit = cached_tokens(req) if cached_tokens is not None else req.hit_tokens
         n = min(budget, max(1, req.total - max(req.known_history, hit)))
         given[req.id] = n
         budget -= n
+    g.waiting.extendleft(reversed(later))
     for r in g.running:  # priority: oldest first
         if r.id in given:
             plan.work.append(Work(r.id, given[r.id], r.append))

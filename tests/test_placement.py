@@ -215,7 +215,23 @@ def test_a_waiting_request_claims_only_what_its_group_does_not_hold_when_it_is_a
             req.block_keys = keys  # the 4 full blocks all share; the 65th token is each one's own
         return Group(waiting=deque(reqs))
 
-    assert [w.budget for w in plan_group(waiting(), 0, config, r.cached_tokens).work] == [65, 65, 30]  # none held yet
-    hold(r, 0, keys)
+    g = waiting()
+    assert [w.budget for w in plan_group(g, 0, config, r.cached_tokens).work] == [65]  # none held: r0 prefills it
+    assert [q.id for q in g.waiting] == [f"r{i}" for i in range(1, 8)]  # the rest wait behind it, in order
+    hold(r, 0, keys)  # r0 published it
     assert [w.budget for w in plan_group(waiting(), 1, config, r.cached_tokens).work] == [1] * 8
-    assert [w.budget for w in plan_group(waiting(), 2, config).work] == [65, 65, 30]  # the placement's guess alone
+    g = waiting()
+    g.waiting[0].block_keys = prompt_keys([7] * 64, B)  # another prefix first: none waits for it
+    assert [w.budget for w in plan_group(g, 2, config).work] == [65, 65]  # r1 prefills theirs, r2.. wait for it
+
+
+def test_a_prefix_on_its_way_into_a_group_draws_the_requests_that_share_it():
+    r = router()
+    keys = prompt_keys(PROMPT, B)
+    groups = [busy(0), busy(0), busy(0)]
+    first = Request("first", PROMPT + [1], SamplingParams(max_tokens=1), None, 1, dp=2)
+    first.block_keys = keys
+    groups[2].waiting.append(first)  # placed, not prefilled yet: nothing in the index
+    assert r.choose(keys, len(PROMPT) + 1, groups, [0, 1, 2]) == (2, 4)
+    first.known_history = len(first.prompt)  # prefilled: what it published is the index's to say
+    assert r.choose(keys, len(PROMPT) + 1, groups, [0, 1, 2])[1] == 0
