@@ -39,7 +39,7 @@ from engine.errors import (
 from engine.placement import Router, group_load, waiting_blocks
 from engine.recovery import GroupRecovery, Orphans
 from engine.request_times import RequestRecorder
-from engine.scheduler import Group, Request, TokenEvent, apply_result, figures, plan_group
+from engine.scheduler import Group, Request, TokenEvent, apply_result, figures, plan_group, share_cores
 from engine.stats_channel import StatsChannel
 from engine.transport import StepFailure, Transport, make_transport, step_all
 from workers.models import check_model, load_tokenizer
@@ -90,6 +90,7 @@ class Engine(GroupRecovery):
         self._restarting: dict[int, asyncio.Task] = {}
         self._closing = False
         self._device = self._dtype = ""
+        self._cores: dict[str, int] = {}  # CPUs of each node that holds a rank (CPU, tp 1), by node id
         self._wake = asyncio.Event()  # set while there may be work; cleared only when no group has any
         self._changed = asyncio.Event()  # a request arrived, finished or left since the last step began
         self._loop_task: asyncio.Task | None = None
@@ -135,6 +136,8 @@ class Engine(GroupRecovery):
         self.router.partial_worth = self.rank_info[0]["partial_reuse_blocks"]
         for dp, group in enumerate(launched):
             self.router.group_started(dp, group.infos[0])
+        if device == "cpu" and s.tp == 1:  # the cores a rank may take when no other group on its node steps
+            self._cores = {info["node_id"]: info.get("cpus", 0) for info in self.rank_info}
         if s.cache.enable_stats:
             self.stats = StatsChannel(self.aggregator)
             self.iteration = first_iteration(await self.stats.register([info["layout"] for info in self.rank_info]))
@@ -172,6 +175,8 @@ class Engine(GroupRecovery):
                                             ranks.SETUP_TIMEOUT_S if first else None,
                                             lambda on: setattr(g, "pending", on))
         g.node = launched.infos[0]["node_id"]
+        if self._cores:  # a restart may land on another node
+            self._cores[g.node] = launched.infos[0].get("cpus", 0)
         return launched
 
     def _stop(self, workers: list, pgs: list) -> None:
@@ -367,6 +372,8 @@ class Engine(GroupRecovery):
             await self._wake.wait()
             plans = [None if g.down else plan_group(g, self.iteration, self.config, self.router.cached_tokens)
                      for g in self._groups]
+            if self._cores:
+                share_cores(plans, self._groups, self._cores, max(1, int(self.config.num_cpus_per_rank)))
             if not any(p is not None and (p.new or p.work or p.close) for p in plans):
                 self._wake.clear()
                 continue

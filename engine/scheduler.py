@@ -206,6 +206,20 @@ def plan_group(g: Group, iteration: int, s: EngineConfig,
     return plan
 
 
+def share_cores(plans: list[StepPlan | None], groups: list[Group], cores: dict[str, int], own: int) -> None:
+    """On CPU, a stepping rank takes the cores of its node that no other group steps on now: a lone request
+    decodes on every core (a decode step reads all the weights: memory-bound, and one core does not draw the
+    node's bandwidth), a busy machine splits them as configured (`own`, each rank's threads). For tp 1: `cores`
+    is each node's CPUs by node id, and a group's node is its rank's."""
+    busy: dict[str | None, int] = {}
+    for g, p in zip(groups, plans, strict=True):
+        if p is not None:
+            busy[g.node] = busy.get(g.node, 0) + 1
+    for g, p in zip(groups, plans, strict=True):
+        if p is not None:
+            p.threads = max(own, cores.get(g.node or "", 0) // busy[g.node])
+
+
 def figures(groups: list[Group], plans: list[StepPlan | None], s: EngineConfig, completed: int) -> dict[str, float]:
     """The engine's figures of the iteration just stepped (aggregator.delta.ENGINE_FIGURES): requests, and the
     batch limits of the configuration (static) and of the groups that are up (runtime)."""

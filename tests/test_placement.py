@@ -235,3 +235,20 @@ def test_a_prefix_on_its_way_into_a_group_draws_the_requests_that_share_it():
     assert r.choose(keys, len(PROMPT) + 1, groups, [0, 1, 2]) == (2, 4)
     first.known_history = len(first.prompt)  # prefilled: what it published is the index's to say
     assert r.choose(keys, len(PROMPT) + 1, groups, [0, 1, 2])[1] == 0
+
+
+def test_a_rank_alone_on_its_node_takes_every_core_and_busy_ranks_split_them():
+    from engine.scheduler import share_cores
+    from workers.step import StepPlan
+
+    groups = [Group(node="a"), Group(node="a"), Group(node="b")]
+    cores = {"a": 2, "b": 8}
+    plans = [StepPlan(0), None, StepPlan(0)]
+    share_cores(plans, groups, cores, 1)
+    assert [p.threads for p in plans if p] == [2, 8]  # group 1 idle: group 0 has node a to itself
+    plans = [StepPlan(1), StepPlan(1), None]
+    share_cores(plans, groups, cores, 1)
+    assert [p.threads for p in plans if p] == [1, 1]
+    plans = [StepPlan(2), StepPlan(2), StepPlan(2)]
+    share_cores(plans, [Group(node="a"), Group(node="a"), Group(node=None)], {"a": 3}, 2)
+    assert [p.threads for p in plans] == [2, 2, 2]  # never below a rank's own threads; an unknown node: its own

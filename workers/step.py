@@ -66,6 +66,7 @@ class StepPlan:
     record: bool = True  # False for warm-up steps: no stats message
     kv_events: bool = False  # record KV events (tp rank 0 only: the others make the same decisions)
     kv_resync: bool = False  # start them with a snapshot of everything the cache holds
+    threads: int = 0  # CPU threads for this step, the cores no other rank on its node steps on now; 0: its own
 
 
 @dataclass

@@ -161,7 +161,8 @@ class RankWorker:
                 "vocab_size": self.vocab_size, "reuse_table": reuse_table(self.kv),
                 "partial_reuse_blocks": partial_reuse_worth(self.kv), "kv_slots": self.kv.num_slots,
                 "max_num_blocks": stats.max_num_blocks, "node_id": self.layout.node_id,
-                "device": self.device, "incarnation": self.incarnation, "layout": self.layout}
+                "device": self.device, "incarnation": self.incarnation, "layout": self.layout,
+                "cpus": len(os.sched_getaffinity(0))}
 
     # ---- the step -------------------------------------------------------------------------------------------
     # no task events: the GCS keeps up to 100,000 (task_events_max_num_task_in_gcs), and every rank's step is
@@ -173,6 +174,8 @@ class RankWorker:
         that raises (bad input, a sampler error) fails alone: it is dropped here and named in `failed`, and the
         step goes on for the others."""
         t0 = time.perf_counter()
+        if plan.threads and self.device == "cpu" and plan.threads != torch.get_num_threads():
+            torch.set_num_threads(plan.threads)
         failed: dict[str, str] = {}
         self._close(plan.close)
         recording = plan.record and self.spec.cache.enable_stats
