@@ -211,13 +211,12 @@ def share_cores(plans: list[StepPlan | None], groups: list[Group], cores: dict[s
     decodes on every core (a decode step reads all the weights: memory-bound, and one core does not draw the
     node's bandwidth), a busy machine splits them as configured (`own`, each rank's threads). For tp 1: `cores`
     is each node's CPUs by node id, and a group's node is its rank's."""
-    busy: dict[str | None, int] = {}
-    for g, p in zip(groups, plans, strict=True):
-        if p is not None:
-            busy[g.node] = busy.get(g.node, 0) + 1
-    for g, p in zip(groups, plans, strict=True):
-        if p is not None:
-            p.threads = max(own, cores.get(g.node or "", 0) // busy[g.node])
+    stepping = [(g, p) for g, p in zip(groups, plans, strict=True) if p is not None and (p.work or p.new)]
+    busy: dict[str | None, int] = {}  # an empty plan's step takes next to no time: its rank's cores are free
+    for g, _ in stepping:
+        busy[g.node] = busy.get(g.node, 0) + 1
+    for g, p in stepping:
+        p.threads = max(own, cores.get(g.node or "", 0) // busy[g.node])
 
 
 def figures(groups: list[Group], plans: list[StepPlan | None], s: EngineConfig, completed: int) -> dict[str, float]:

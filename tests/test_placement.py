@@ -239,16 +239,19 @@ def test_a_prefix_on_its_way_into_a_group_draws_the_requests_that_share_it():
 
 def test_a_rank_alone_on_its_node_takes_every_core_and_busy_ranks_split_them():
     from engine.scheduler import share_cores
-    from workers.step import StepPlan
+    from workers.step import StepPlan, Work
+
+    def busy_plan(i: int) -> StepPlan:
+        return StepPlan(i, work=[Work("r", 1)])
 
     groups = [Group(node="a"), Group(node="a"), Group(node="b")]
     cores = {"a": 2, "b": 8}
-    plans = [StepPlan(0), None, StepPlan(0)]
+    plans = [busy_plan(0), StepPlan(0), busy_plan(0)]
     share_cores(plans, groups, cores, 1)
-    assert [p.threads for p in plans if p] == [2, 8]  # group 1 idle: group 0 has node a to itself
-    plans = [StepPlan(1), StepPlan(1), None]
+    assert [p.threads for p in plans] == [2, 0, 8]  # group 1 has nothing to do: group 0 has node a to itself
+    plans = [busy_plan(1), busy_plan(1), None]
     share_cores(plans, groups, cores, 1)
     assert [p.threads for p in plans if p] == [1, 1]
-    plans = [StepPlan(2), StepPlan(2), StepPlan(2)]
+    plans = [busy_plan(2), busy_plan(2), busy_plan(2)]
     share_cores(plans, [Group(node="a"), Group(node="a"), Group(node=None)], {"a": 3}, 2)
     assert [p.threads for p in plans] == [2, 2, 2]  # never below a rank's own threads; an unknown node: its own
