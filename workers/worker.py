@@ -33,6 +33,11 @@ from workers.step import NewRequest, RankSpec, StepPlan, StepResult, Work
 log = logging.getLogger("kvfleet.worker")
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# a rank whose last step was shorter keeps its own threads when it may take more (StepPlan.threads): the
+# engine's, aggregator's and HTTP processes need the node's cores more than a step that short gains from them
+# (engine_bench's tiny model: 12 ms steps, 0.6x the tokens/s on two threads; SmolLM2 alone: ~80 ms, 0.62x
+# the time per token on two)
+SHARE_CORES_MIN_S = 0.03
 
 
 def build_kv_cache(spec: RankSpec, cfg: Any, device: str, dtype: torch.dtype, tp_group: TPGroup) -> KVCacheManager:
@@ -96,6 +101,7 @@ class RankWorker:
         self.reqs: dict[str, _Req] = {}
         self.model = self.kv = self.layout = None
         self.max_request_tokens = self.vocab_size = 0
+        self.last_step_s = 0.0
         self.device = "cuda:0" if spec.device == "cuda" else "cpu"
         if spec.device == "cpu":
             torch.set_num_threads(max(1, spec.num_threads))
@@ -174,8 +180,8 @@ class RankWorker:
         that raises (bad input, a sampler error) fails alone: it is dropped here and named in `failed`, and the
         step goes on for the others."""
         t0 = time.perf_counter()
-        if plan.threads and self.device == "cpu" and plan.threads != torch.get_num_threads():
-            torch.set_num_threads(plan.threads)
+        if self.device == "cpu":
+            self._set_threads(plan.threads if plan.threads and self.last_step_s >= SHARE_CORES_MIN_S else 0)
         failed: dict[str, str] = {}
         self._close(plan.close)
         recording = plan.record and self.spec.cache.enable_stats
@@ -189,7 +195,7 @@ class RankWorker:
         if logits is None:
             runs = []
         ran, first_reuse = self._commit(runs, self._sample(runs, logits, failed), failed)
-        step_s = time.perf_counter() - t0
+        step_s = self.last_step_s = time.perf_counter() - t0
         out = StepResult(plan.iteration, ran, deferred, recomputed, suspended, reused, step_s, failed,
                          first_reuse=first_reuse, reused_host=reused_host)
         if recording:
@@ -239,6 +245,12 @@ class RankWorker:
             if w.append is not None:
                 self.reqs[w.request_id].tokens.append(w.append)
         return order
+
+    def _set_threads(self, threads: int) -> None:
+        """`threads` for this step's CPU work, or 0 for the rank's own."""
+        threads = threads or max(1, self.spec.num_threads)
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
 
     def _forward(self, runs: list, failed: dict[str, str]) -> list[torch.Tensor] | None:
         """The batch's logits; None when it raised (no way to tell whose input broke it: all of it fails)."""
