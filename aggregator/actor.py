@@ -37,7 +37,7 @@ import os
 import pickle
 import time
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Protocol
 
 import ray
 
@@ -72,9 +72,18 @@ def aggregator_name(engine_id: str) -> str:
     return f"kvfleet-stats-{engine_id}"
 
 
-class _Checkpoint:
-    """What an aggregator restart must not lose, in Ray's GCS key-value store (keyed by the actor id, so only a
-    restart of this very actor reads it; a new actor of the same name starts clean)."""
+class Checkpoint(Protocol):
+    """Where an aggregator's restart finds what it must not lose: named parts, each saved whole."""
+
+    def load(self, part: str) -> Any: ...
+
+    def save(self, part: str, value: Any) -> None: ...
+
+
+class GCSCheckpoint:
+    """The `Checkpoint` of a Ray actor: Ray's GCS key-value store (keyed by the actor id, so only a restart of
+    this very actor reads it; a new actor of the same name starts clean). The only user of Ray's private
+    `internal_kv` in kvfleet (Ray has no public key-value store)."""
 
     def __init__(self, engine_id: str) -> None:
         from ray.experimental import internal_kv
@@ -97,10 +106,10 @@ class StatsAggregatorImpl:
     """The actor's body; `StatsAggregator` is this class made a Ray actor."""
 
     def __init__(self, engine_id: str, world_size: int, tp: int, buffer_size: int = 10_000,
-                 rank_detail_records: int = 512, checkpoint: Any = None) -> None:
+                 rank_detail_records: int = 512, checkpoint: Checkpoint | None = None) -> None:
         """`checkpoint`: where restarts find their predecessor's state (load/save); default Ray's GCS."""
         self.engine_id, self.world_size, self.tp = engine_id, world_size, tp
-        self._ckpt = checkpoint if checkpoint is not None else _Checkpoint(engine_id)
+        self._ckpt = checkpoint if checkpoint is not None else GCSCheckpoint(engine_id)
         saved = self._ckpt.load("state")
         self.asm = Assembler(engine_id, world_size, tp, epoch=saved["epoch"] + 1 if saved else 1)
         if saved:

@@ -65,7 +65,7 @@ class Hist:
         return out
 
 
-class Engine:
+class GroupSeries:
     """One dp group's cumulative counters, latest gauges and histograms, keyed (family, extra label values)."""
 
     def __init__(self) -> None:
@@ -89,7 +89,7 @@ class VllmMetrics:
         self.engine_id = engine_id
         self.model_name: str | None = None
         self.max_model_len = 0
-        self.engines: dict[int, Engine] = {}
+        self.engines: dict[int, GroupSeries] = {}
 
     # ---- state ---------------------------------------------------------------------------------------------
     def to_state(self) -> dict[str, Any]:
@@ -112,13 +112,13 @@ class VllmMetrics:
             e.hists = {n: Hist(edges, list(counts), total) for n, (edges, counts, total) in s["h"].items()}
 
     # ---- observing -----------------------------------------------------------------------------------------
-    def _engine(self, dp: int) -> Engine:
+    def _engine(self, dp: int) -> GroupSeries:
         e = self.engines.get(dp)
         if e is None:
-            e = self.engines[dp] = Engine()
+            e = self.engines[dp] = GroupSeries()
         return e
 
-    def _hist(self, e: Engine, name: str) -> Hist:
+    def _hist(self, e: GroupSeries, name: str) -> Hist:
         h = e.hists.get(name)
         if h is None:
             buckets = FAMILY[name][4]

@@ -10,7 +10,7 @@ shared-prefix completions the whole time. Every `--fault-every` seconds one faul
 the aggregator, kill the engine replica, kill the ingress replica, remove a worker node holding a group and add
 a fresh one. One line per fault with its recovery time (the fault -> every group up and a request served), then
 the summary:
-- requests, read as deployment/client.py's `stream_completion` reads them (a refusal before any response retried
+- requests, read as deployment/clients/client.py's `stream_completion` reads them (a refusal before any response retried
   after Retry-After, a stream cut by its ingress replica's death resumed with Last-Event-ID): completed (with how
   many cuts and refusals they went through); refused for good (no replica answered within RECOVERY_S); lost
   (chunks, then an error or no replica to resume on): the target is 0;
@@ -41,8 +41,8 @@ import httpx  # noqa: E402
 import psutil  # noqa: E402
 import ray  # noqa: E402
 
-from deployment.client import Streamed, StreamError, stream_completion  # noqa: E402
-from deployment.loadgen import make_prompts  # noqa: E402
+from deployment.clients.client import Streamed, StreamError, stream_completion  # noqa: E402
+from deployment.clients.loadgen import make_prompts  # noqa: E402
 from tests import multinode_support as mns  # noqa: E402
 
 COUNTERS = {"iterAllocTotalBlocks": "allocTotalBlocks", "iterAllocNewBlocks": "allocNewBlocks",
@@ -67,7 +67,7 @@ class Tally:
 
 
 def stream_one(url: str, body: dict) -> tuple[str, str, Streamed | None]:
-    """One streamed completion as a client of a server of replicas reads it (deployment/client.py): refusals
+    """One streamed completion as a client of a server of replicas reads it (deployment/clients/client.py): refusals
     before any response retried, a cut stream resumed with Last-Event-ID. ("ok", ...): it ended with a finish
     reason and [DONE]; "refused": a status (or no connection) before any chunk, after the client gave up;
     "lost": chunks came, then it failed (an error chunk, or no replica took it again)."""

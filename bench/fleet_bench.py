@@ -30,7 +30,7 @@ import httpx  # noqa: E402
 import ray  # noqa: E402
 
 from deployment import build_app  # noqa: E402
-from deployment.client import StatsClient  # noqa: E402
+from deployment.clients.client import StatsClient  # noqa: E402
 from kvcache.stats import hit_rate  # noqa: E402
 
 PORT = 8391

@@ -63,7 +63,7 @@ async def _traffic(http: httpx.AsyncClient, stop: asyncio.Event, concurrency: in
 
 def _cursor(body: bytes) -> int | None:
     """The last record's `iter` of a /stats body, without decoding the rest (records are compact JSON that
-    start with their iteration: deployment/mirror.py)."""
+    start with their iteration: deployment/ingress/stats/mirror.py)."""
     at = body.rfind(b'{"iter":')
     return None if at < 0 else int(body[at + 8:body.index(b",", at)])
 

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 from deployment.settings import Settings  # noqa: E402
 from engine.core import Engine  # noqa: E402
 from workers.gguf_model import packaged_gguf  # noqa: E402
-from workers.models import load_tokenizer  # noqa: E402
+from workers.model_setting import load_tokenizer  # noqa: E402
 from workers.sampling_params import SamplingParams  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"

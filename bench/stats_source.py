@@ -17,7 +17,7 @@ from ray import cloudpickle, serve
 from ray.serve import Application
 
 from aggregator.assembler import Assembler, iso_timestamp
-from deployment.ingress import KVFleetIngress
+from deployment.ingress.serve import KVFleetIngress
 from deployment.settings import Settings
 
 TEMPLATES = 50  # distinct records cycled through, so each emitted record's text differs like a real one's

@@ -4,20 +4,18 @@
 on a CPU-only machine); `serve run deployment:build_app key=value ...` takes settings as arguments.
 Importing this package starts nothing (no Ray, no engine); `deployment.app` is built when first read.
 
-Modules: `settings` (the `Settings` class, the README table); `ingress` (the two Serve deployments:
-`KVFleetEngine` owns the engine, `KVFleetIngress` serves HTTP through the engine's handle); `resend` (a dead
-engine replica's requests re-sent by the ingress); `resume` (a stream cut with its ingress replica, resumed by
-the client with Last-Event-ID); `routes` (the app);
-`generation` (the OpenAI routes over an `EngineProtocol`); `stats_routes` and `mirror` (statistics served from
-each ingress replica's copy of the records); `protocol` (OpenAI request models and response shapes);
-`errors` (OpenAI-shaped errors); `auth` (API keys); `dashboard_routes` (the /dashboard page);
-`kv_events` (the /kv_events stream); `sse` and `detokenize` (stream formats, text with stop strings); `client`
-and `loadgen` (a Python client of the statistics and of streamed completions, and a traffic generator).
+Where each part runs: `build` (the application, built where `serve run` runs), `settings` (the `Settings`
+class, the README table), `ingress/` (an ingress replica's process: its Serve class, the engine client with
+re-send and resume, the Serve-free FastAPI app in `api/`, the stats view in `stats/`), `router/` (a deployment
+handle's process: Serve's request router and the fleet view it decides with), `clients/` (tools the server never
+runs: a Python client, a traffic generator). The engine's own Serve class is `engine/serve.py`.
 """
 
 from typing import Any
 
-from deployment.ingress import KVFleetEngine, KVFleetIngress, build_app
+from deployment.build import build_app
+from deployment.ingress.serve import KVFleetIngress
+from engine.serve import KVFleetEngine
 
 
 def __getattr__(name: str) -> Any:

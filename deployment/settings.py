@@ -5,7 +5,7 @@ Read from `KVFLEET_*` environment variables, or from `serve run deployment:build
 package ships), dp=2 x tp=1 ranks (so the cluster merge is real from the first request) and a KV cache small
 enough that ordinary traffic shows reuse, eviction and offload to the host tier. `model=random` is the
 built-in random-weight model that tests use. Nothing here reads the model: the app's builder checks it
-(deployment/ingress.py). `Settings.engine_config()` narrows them to the engine's typed `EngineConfig`.
+(deployment/build.py). `Settings.engine_config()` narrows them to the engine's typed `EngineConfig`.
 """
 
 from dataclasses import fields
@@ -17,7 +17,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from engine.config import EngineConfig, KVEventsConfig, RoutingConfig
 from workers.config import CacheSettings
-from workers.models import RANDOM_MODEL
+from workers.model_setting import RANDOM_MODEL
 
 RANDOM_SERVED_NAME = "kvfleet-tiny"
 
@@ -160,7 +160,9 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _keys_are_readable(self) -> "Settings":
-        from deployment.auth import load_keys  # a bad @path fails `serve run` here, not at the first request
+        from deployment.ingress.api.auth import (
+            load_keys,  # a bad @path fails `serve run` here, not at the first request
+        )
 
         load_keys(self.api_keys.get_secret_value())
         load_keys(self.metrics_api_key.get_secret_value())

@@ -38,7 +38,7 @@ class KVEventsConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     engine_id: str = "engine-0"
-    model: str = "random"  # a model setting (workers/models.py)
+    model: str = "random"  # a model setting (workers/model_setting.py)
     served_model_name: str = "kvfleet-tiny"
     dp: int = 1
     tp: int = 1

@@ -27,6 +27,7 @@ from typing import Any
 
 from aggregator.delta import Iteration
 from engine import ranks
+from engine.backoff import backoff_s
 from engine.config import EngineConfig
 from engine.errors import (
     RETRY_AFTER_DOWN_S,
@@ -42,7 +43,7 @@ from engine.request_times import RequestRecorder
 from engine.scheduler import Group, Request, TokenEvent, apply_result, figures, plan_group, share_cores
 from engine.stats_channel import StatsChannel
 from engine.transport import StepFailure, Transport, make_transport, step_all
-from workers.models import check_model, load_tokenizer
+from workers.model_setting import check_model, load_tokenizer
 from workers.sampling_params import SamplingParams
 from workers.step import StepResult
 
@@ -332,7 +333,7 @@ class Engine(GroupRecovery):
     def _place(self, req: Request, front: bool = False) -> None:
         """Queue a request on the dp group that `routing` picks among those up; while none is, it waits (an
         orphan) until a restarted group takes it or its placement deadline fails it. Re-queued go `front`."""
-        need = len(req.prompt) + req.max_new
+        need = len(req.prompt) + req.max_tokens
         fits = [dp for dp, g in enumerate(self._groups) if not g.stays_down and need <= self._limits[dp]]
         up = [dp for dp in fits if self._groups[dp].down is None]
         if up:
@@ -345,7 +346,7 @@ class Engine(GroupRecovery):
             raise EngineError("every dp group is down", RETRY_AFTER_DOWN_S)
         if not fits:  # admitted before a group came back with a smaller cache: no group will ever hold it
             raise RequestError(
-                f"this request needs {need} tokens ({len(req.prompt)} in the prompt, {req.max_new} in the "
+                f"this request needs {need} tokens ({len(req.prompt)} in the prompt, {req.max_tokens} in the "
                 f"completion), but since a restart the dp groups' KV caches hold at most {max(self._limits)}",
                 "context_length_exceeded")
         self._orphans.add(req)
@@ -367,7 +368,7 @@ class Engine(GroupRecovery):
             self._fail_all(EngineError(self.error, RETRY_AFTER_DOWN_S))
 
     async def _steps(self) -> None:
-        pause = 0.0
+        idle = 0  # steps in a row in which nothing moved
         while True:
             await self._wake.wait()
             plans = [None if g.down else plan_group(g, self.iteration, self.config, self.router.cached_tokens)
@@ -402,12 +403,11 @@ class Engine(GroupRecovery):
             if self.error:
                 return
             if progress:
-                pause = 0.0
+                idle = 0
                 continue
-            lo, hi = NO_PROGRESS_PAUSE_S
-            pause = min(max(2 * pause, lo), hi)
+            idle += 1
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), pause)
+                await asyncio.wait_for(self._changed.wait(), backoff_s(idle, *NO_PROGRESS_PAUSE_S))
 
     def _finish_failed(self, g: Group, req: Request, error: BaseException) -> None:
         g.finish(req)

@@ -11,15 +11,15 @@ group with the fewest requests, `round_robin` the next one. The `kv` score, in t
 where room is the group's free blocks (free or evictable, as its rank last reported) less what its waiting
 requests will take, and hits are the longest prefix of the prompt's full blocks the group holds (the rank
 matches at most all but the prompt's last token). Ties go to the lighter group, then the one holding fewer
-blocks (so tenants spread over the groups' caches), then the one with more free blocks, then the lower dp
-rank.
+blocks (so tenants spread over the groups' caches), then the one with more room, then the lower dp rank: one
+rule, `kv_rank`, which the fleet's router applies to every engine replica's groups too.
 Salts are in the block keys (kvcache/events.py), so one salt's blocks never predict another's reuse.
 
 Predicted vs realized: a request's prediction is its group's hits, in the statistics' units (the reused blocks
 a stats commit counts over every life cycle, `kvcache.events.reuse_table`); its realization is the reused
 blocks of its first stats commit on the rank. Each record's `routing` sums both for the requests whose first
 commit was in that iteration; its `fleet` sums the same for the requests the fleet's router placed (several
-engine replicas, deployment/fleet_routing.py), with that router's prediction, made one level up from the
+engine replicas, deployment/router/fleet_view.py), with that router's prediction, made one level up from the
 replicas' KV event streams (so it also misses the events still on their way to it). They differ when (1)
 blocks are evicted between the decision and the prefill (other requests run meanwhile, or the request waits),
 (2) the block the rank reuses in part (partial reuse) was evicted, or another published, in between (the
@@ -54,24 +54,33 @@ def group_load(g: Any) -> int:
 expects cached) and outputs not yet made."""
     total = 0
     for r in itertools.chain(g.waiting, g.running):
-        total += r.total - max(r.known_history, r.hit_tokens) + r.max_new - len(r.generated)
+        total += r.total - max(r.num_computed_tokens, r.hit_tokens) + r.max_tokens - len(r.generated)
     return total
 
 
 def waiting_blocks(g: Any, B: int) -> int:
     """Blocks the group's waiting requests will take beyond what their placement expects cached: room that
     its last reported free blocks no longer have."""
-    return sum(max(0, -(-(r.total + r.max_new) // B) - r.hit_tokens // B) for r in g.waiting)
+    return sum(max(0, -(-(r.total + r.max_tokens) // B) - r.hit_tokens // B) for r in g.waiting)
 
 
 def kv_score(weights: tuple[float, float, float, float], B: int, hits: tuple[int, int], load: int, need: int,
              room: int) -> float:
     """The `kv` policy's score of one dp group, in tokens (the formula above): the fleet's router
-    (deployment/fleet_routing.py) scores every engine replica's groups with it too."""
+    (deployment/router/fleet_view.py) scores every engine replica's groups with it too."""
     wp, wh, wl, wf = weights
     primary, host = hits
     short = max(0, need - primary - host - room)
     return B * (wp * primary + wh * host) - wl * load - wf * B * short
+
+
+def kv_rank(weights: tuple[float, float, float, float], B: int, hits: tuple[int, int], load: int, need: int,
+            room: int, held: int) -> tuple:
+    """The `kv` rule, one for both levels: a dp group's sort key, best lowest, whether this engine places a
+    request on one of its groups or the fleet's router scores every engine replica's (deployment/router/
+    fleet_view.py). The score, then the lighter group, the one holding fewer blocks (`held`: tenants spread over
+    the caches), the one with more room; callers add their own last tie-breaks (dp rank, replica order)."""
+    return (-kv_score(weights, B, hits, load, need, room), load, held, -room)
 
 
 def salt_label(salt: Any) -> str:
@@ -160,10 +169,9 @@ class Router:
             need = -(-prompt_len // self.B)
 
             def rank(d: int) -> tuple:
-                load = group_load(groups[d])
                 room = self.free[d] - waiting_blocks(groups[d], self.B)
-                return (-kv_score(self.weights, self.B, hits[d], load, need, room), load,
-                        len(self.index.blocks[d]), -self.free[d], d)
+                return kv_rank(self.weights, self.B, hits[d], group_load(groups[d]), need, room,
+                               len(self.index.blocks[d])) + (d,)
 
             dp = min(up, key=rank)
         self._last_hits = sum(hits[dp])

@@ -79,11 +79,6 @@ def left_by(engine_id: str, name: str) -> bool:
     return False
 
 
-def backoff_s(failures: int, first_s: float) -> float:
-    """The pause before restart attempt `failures` (1, 2, ...) of a group: first_s, doubling, at most 30 s."""
-    return min(BACKOFF_MAX_S, first_s * 2 ** max(0, failures - 1))
-
-
 def device_of(config: EngineConfig) -> str:
     if config.device != "auto":
         return config.device

@@ -12,6 +12,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from engine import ranks
+from engine.backoff import backoff_s
 from engine.config import EngineConfig
 from engine.errors import RETRY_AFTER_DOWN_S, EngineError, RequestError, RequestFailed, one_line
 from engine.scheduler import Group, Request
@@ -69,7 +70,7 @@ async def restart_group(dp: int, g: Group, config: EngineConfig, launch: Callabl
     (warm-up, stats registration). Each failed attempt counts as one more failure in a row; the group's
     launched ranks, or None once it has failed more than `max_group_restarts` times in a row."""
     while g.failures <= config.max_group_restarts:
-        pause = ranks.backoff_s(g.failures, config.restart_backoff_s)
+        pause = backoff_s(g.failures, config.restart_backoff_s, ranks.BACKOFF_MAX_S)
         await asyncio.sleep(pause)  # the restart policy's backoff: there is nothing to wait for but time
         launched = None
         try:

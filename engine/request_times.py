@@ -101,7 +101,7 @@ class RequestRecorder:
                               inference_s=t.last_token - t.scheduled,
                               tpot_s=decode / (t.tokens - 1) if t.tokens > 1 else 0.0)
         self.finished.append(FinishedRequest(
-            max(req.dp, 0), reason, len(req.prompt), t.tokens, req.max_new,
+            max(req.dp, 0), reason, len(req.prompt), t.tokens, req.max_tokens,
             len(req.prompt) - t.local - t.external, now - t.arrival, **timing))
 
     def take(self, groups: list) -> RequestFigures:

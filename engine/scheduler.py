@@ -34,11 +34,11 @@ class Request:
     prompt: list[int]
     params: SamplingParams
     cache_salt: str | None
-    max_new: int
+    max_tokens: int  # what it may generate in all (vLLM: SamplingParams.max_tokens)
     drawn: int = 0  # tokens sampled before this engine had it (re-sent by the ingress): the end of `prompt`
     dp: int = -1
     generated: list[int] = field(default_factory=list)
-    known_history: int = 0  # what the ranks last reported as computed
+    num_computed_tokens: int = 0  # what the ranks last reported as computed
     append: int | None = None  # sampled last step, not yet sent to the ranks
     created: bool = False
     done: bool = False
@@ -49,7 +49,7 @@ class Request:
     predicted: int = -1  # reused blocks its placement predicted; -1 until placed and once counted
     counted: bool = False  # in a record's `routing` (once, on the group of its first commit: not again if moved)
     hit_tokens: int = 0  # prompt tokens its placement expects the rank to find cached (the group's load)
-    placed: int = -1  # the dp group the fleet's router chose (deployment/fleet_routing.py), until placed there
+    placed: int = -1  # the dp group the fleet's router chose (deployment/router/fleet_view.py), until placed there
     fleet_predicted: int = -1  # the reused blocks the fleet's router predicted; -1 if it did not place it
     times: RequestTimes = field(default_factory=RequestTimes)  # for vLLM's request metrics
 
@@ -61,7 +61,7 @@ class Request:
         """Forget the ranks that held it (their group went down): it prefills again from its prompt and the
         tokens it already generated, on whatever group takes it."""
         self.created = False
-        self.known_history = 0
+        self.num_computed_tokens = 0
         self.append = None
         self.times.queued = time.monotonic()
 
@@ -108,15 +108,15 @@ def apply_result(g: Group, res: StepResult, requests: dict[str, Request],
             out.append((req, RequestFailed(f"request {rid} failed: {why}")))
     for rid, reused in res.reused.items():
         if rid in requests:
-            requests[rid].known_history = reused
+            requests[rid].num_computed_tokens = reused
     for rid in res.recomputed:
         if rid in requests:
-            requests[rid].known_history = 0
+            requests[rid].num_computed_tokens = 0
     for rid, (history, token) in res.ran.items():
         req = requests.get(rid)
         if req is None or req.done:
             continue
-        req.known_history = history
+        req.num_computed_tokens = history
         if token is None:
             continue
         req.generated.append(token)
@@ -124,7 +124,7 @@ def apply_result(g: Group, res: StepResult, requests: dict[str, Request],
         reason = None
         if (not p.ignore_eos and token in eos) or token in p.stop_token_ids:  # any eos id stops it
             reason = "stop"
-        elif len(req.generated) >= req.max_new:
+        elif len(req.generated) >= req.max_tokens:
             reason = "length"
         if reason is None:
             req.append = token
@@ -142,7 +142,7 @@ def shared_blocks(keys: list[int] | None, requests: Any) -> int:
         return 0
     for r in requests:
         theirs = r.block_keys
-        if not theirs or theirs[0] != keys[0] or r.known_history >= len(r.prompt):
+        if not theirs or theirs[0] != keys[0] or r.num_computed_tokens >= len(r.prompt):
             continue
         n = 0
         for a, b in zip(keys, theirs, strict=False):
@@ -168,8 +168,8 @@ def plan_group(g: Group, iteration: int, s: EngineConfig,
     g.to_close = []
     g.admitted = []
     budget = s.max_num_batched_tokens
-    decodes = [r for r in g.running if r.total - r.known_history <= 1]
-    prefills = [r for r in g.running if r.total - r.known_history > 1]
+    decodes = [r for r in g.running if r.total - r.num_computed_tokens <= 1]
+    prefills = [r for r in g.running if r.total - r.num_computed_tokens > 1]
     given: dict[str, int] = {}
     for r in decodes[:budget]:
         given[r.id] = 1
@@ -177,7 +177,7 @@ def plan_group(g: Group, iteration: int, s: EngineConfig,
     for r in prefills:
         if budget <= 0:
             break
-        n = min(budget, r.total - r.known_history)
+        n = min(budget, r.total - r.num_computed_tokens)
         given[r.id] = n
         budget -= n
     now = time.monotonic()
@@ -195,7 +195,7 @@ def plan_group(g: Group, iteration: int, s: EngineConfig,
                                    drawn=req.drawn + len(req.generated), block_keys=req.block_keys))
         req.created = True
         g.running.append(req)
-        n = min(budget, max(1, req.total - max(req.known_history, hit)))
+        n = min(budget, max(1, req.total - max(req.num_computed_tokens, hit)))
         given[req.id] = n
         budget -= n
     g.waiting.extendleft(reversed(later))

@@ -20,11 +20,12 @@ from typing import Any
 
 from aggregator.actor import StaleSession
 from aggregator.delta import Iteration
+from engine.backoff import backoff_s
 from engine.errors import one_line
 
 log = logging.getLogger("kvfleet.engine")
 
-RETRY_S = (0.05, 2.0)  # pause after a failed call, doubling
+RETRY_S = (0.05, 2.0)  # the pause after a failed call, doubling (engine/backoff.py), and its ceiling
 
 
 class StatsChannel:
@@ -72,7 +73,7 @@ class StatsChannel:
             await asyncio.gather(self._task, return_exceptions=True)
 
     async def _run(self) -> None:
-        pause = 0.0
+        failures = 0
         while True:
             await self._wake.wait()
             self._wake.clear()
@@ -86,11 +87,12 @@ class StatsChannel:
                     self._idle.set()
                     return
                 except Exception as e:  # not restartable (killed for good), or a bad batch: retry, then log
-                    pause = min(max(2 * pause, self.retry_s[0]), self.retry_s[1])
+                    failures += 1
+                    pause = backoff_s(failures, *self.retry_s)
                     log.warning("stats: ingest failed (%s), retrying in %.2f s", one_line(e), pause)
                     await asyncio.sleep(pause)
                     continue
-                pause = 0.0
+                failures = 0
                 self._acknowledged(reply, batch[-1].iteration)
 
     def _acknowledged(self, reply: dict[str, Any], newest: int) -> None:

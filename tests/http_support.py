@@ -14,8 +14,8 @@ import httpx
 import pytest
 import uvicorn
 
-from deployment.mirror import StatsMirror
-from deployment.routes import create_api
+from deployment.ingress.api.routes import create_api
+from deployment.ingress.stats.mirror import StatsMirror
 from deployment.settings import Settings
 from engine.errors import EngineError, Overloaded, RequestError, RequestFailed, check_request
 from engine.kv_stream import KVEventStream
@@ -214,7 +214,7 @@ def serve_fake(**settings_overrides):
 
 def serve_fleet(engines: int = 2):
     """The routes over FakeStats per engine of an `engine_replicas: engines` fleet (one FakeEngine answers)."""
-    from deployment.fleet import FleetStats
+    from deployment.ingress.stats.fleet import FleetStats
 
     engine = FakeEngine()
     settings = Settings(model="random", dp=2, tp=1, served_model_name="fake-model", max_tokens_default=8,
@@ -251,7 +251,7 @@ def _assert_openai_error(resp: httpx.Response, status: int, code: str | None = N
 
 def read_events(resp: httpx.Response, n: int, event: str) -> list[tuple[str, dict]]:
     """The first `n` SSE events of a streamed response as (id, decoded data); each must be an `event`."""
-    from deployment.sse import SSEDecoder
+    from deployment.ingress.sse import SSEDecoder
 
     dec, out = SSEDecoder(), []
     for line in resp.iter_lines():

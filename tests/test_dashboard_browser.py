@@ -11,9 +11,9 @@ import time
 import pytest
 from browser_support import browser, chart_points, dashboard_state, page  # noqa: F401  (fixtures)
 
-from deployment.fleet import FleetStats
-from deployment.mirror import StatsMirror
-from deployment.routes import create_api
+from deployment.ingress.api.routes import create_api
+from deployment.ingress.stats.fleet import FleetStats
+from deployment.ingress.stats.mirror import StatsMirror
 from deployment.settings import Settings
 from tests.http_support import FakeEngine, FakeStats, _free_port, run_uvicorn
 

@@ -14,7 +14,7 @@ from browser_support import browser, chart_points, dashboard_state, page  # noqa
 from e2e_fixtures import E2E_APP_NAME, wait_healthy
 from http_support import all_stats
 
-from deployment.loadgen import make_prompts
+from deployment.clients.loadgen import make_prompts
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray, pytest.mark.slow]
 

@@ -6,9 +6,9 @@ from importlib import resources
 import pytest
 from fastapi.testclient import TestClient
 
-from deployment.dashboard_routes import ASSETS, JS_MEDIA_TYPE
-from deployment.mirror import StatsMirror
-from deployment.routes import create_api
+from deployment.ingress.api.dashboard_routes import ASSETS, JS_MEDIA_TYPE
+from deployment.ingress.api.routes import create_api
+from deployment.ingress.stats.mirror import StatsMirror
 from deployment.settings import Settings
 from tests.http_support import FakeEngine, FakeStats
 

@@ -1,12 +1,12 @@
-"""deployment.client against an httpx.MockTransport: paging, errors, and SSE reconnection by Last-Event-ID."""
+"""deployment.clients.client against an httpx.MockTransport: paging, errors, and SSE reconnection by Last-Event-ID."""
 
 import json
 
 import httpx
 import pytest
 
-from deployment.client import StatsClient, StatsError
-from deployment.sse import format_comment, format_event
+from deployment.clients.client import StatsClient, StatsError
+from deployment.ingress.sse import format_comment, format_event
 
 RECORDS = [{"iter": i, "kvCacheStats": {"reusedBlocks": i}} for i in range(10)]
 

@@ -14,9 +14,9 @@ import httpx
 import pytest
 from e2e_fixtures import prometheus_query, summed_counters
 
-from deployment.client import StatsClient
-from deployment.loadgen import run_load
-from deployment.sse import SSEDecoder
+from deployment.clients.client import StatsClient
+from deployment.clients.loadgen import run_load
+from deployment.ingress.sse import SSEDecoder
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray, pytest.mark.slow]
 

@@ -4,8 +4,8 @@ import asyncio
 import json
 
 from aggregator.actor import WAIT_LIMIT
-from deployment.mirror import StatsMirror
-from deployment.sse import SSEDecoder
+from deployment.ingress.sse import SSEDecoder
+from deployment.ingress.stats.mirror import StatsMirror
 
 
 class Upstream:

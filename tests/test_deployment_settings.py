@@ -8,7 +8,8 @@ import sys
 import pytest
 import yaml
 
-from deployment.ingress import KVFleetIngress, build_app, parse_settings
+from deployment.build import build_app, parse_settings
+from deployment.ingress.serve import KVFleetIngress
 from deployment.settings import Settings, settings_table_markdown
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -127,14 +128,14 @@ def test_each_engine_replica_is_the_engine_of_its_serve_rank():
 
 
 def test_fleet_routing_names_serves_routers():
-    from deployment.ingress import request_router
+    from deployment.build import request_router
 
     assert request_router(parse_settings({"model": "random"})) is None  # Serve's own power of two choices
     prefix = request_router(parse_settings({"model": "random", "fleet_routing": "prefix_affinity",
                                             "engine_replicas": 2}))
     assert prefix.request_router_class.endswith("prefix_aware_router:PrefixCacheAffinityRouter")
     kv = request_router(parse_settings({"model": "random", "engine_replicas": 2}))  # the default with a fleet
-    assert kv.request_router_class == "deployment.kv_router:KVFleetRouter"
+    assert kv.request_router_class == "deployment.router.request_router:KVFleetRouter"
     assert kv.request_router_kwargs["load_weight"] == 0.5
     # one replica: nothing to pick, so no router of ours and no KV stream followed, whatever the setting
     assert request_router(parse_settings({"model": "random", "fleet_routing": "prefix_affinity"})) is None

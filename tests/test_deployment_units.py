@@ -7,10 +7,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from deployment.detokenize import TextStream
-from deployment.errors import validation_message
-from deployment.protocol import ChatCompletionRequest, CompletionRequest
-from deployment.sse import SSEDecoder, format_comment, format_event
+from deployment.ingress.api.detokenize import TextStream
+from deployment.ingress.api.errors import validation_message
+from deployment.ingress.api.protocol import ChatCompletionRequest, CompletionRequest
+from deployment.ingress.sse import SSEDecoder, format_comment, format_event
 from workers.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
@@ -166,7 +166,7 @@ def test_error_handlers_shape_unexpected_and_actor_failures():
     from fastapi.testclient import TestClient
     from ray.exceptions import RayActorError
 
-    from deployment.errors import install_error_handlers
+    from deployment.ingress.api.errors import install_error_handlers
 
     app = FastAPI()
     install_error_handlers(app)

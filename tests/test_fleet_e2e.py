@@ -7,7 +7,7 @@ import time
 import httpx
 import pytest
 
-from deployment.client import StatsClient
+from deployment.clients.client import StatsClient
 from tests.e2e_fixtures import completion_text, module_app, summed_counters
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e, pytest.mark.slow]

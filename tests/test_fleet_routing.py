@@ -1,6 +1,6 @@
 """The fleet's `kv` router over in-process engines (no Ray): two engines stand in for two engine replicas, the
 follower is fed what each engine's `follow` answers, and the router's choice goes back into the engine as
-`placed`, as the Serve deployment does it (deployment/ingress.py)."""
+`placed`, as the Serve deployment does it (engine/serve.py)."""
 
 import asyncio
 import time
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import ray
 
-from deployment.fleet_routing import SENT_S, FleetFollower, FleetView, Routed, Sent, place
+from deployment.router.fleet_view import SENT_S, FleetFollower, FleetView, Routed, Sent, place
 from kvcache.events import prompt_keys
 from tests.engine_harness import make_engine, settled, until
 from workers.sampling_params import SamplingParams
@@ -233,10 +233,10 @@ def test_the_router_serve_ships_by_value_shares_the_ingress_view_and_routed_clas
 
     from ray.serve.config import RequestRouterConfig
 
-    blob = RequestRouterConfig(request_router_class="deployment.kv_router:KVFleetRouter") \
+    blob = RequestRouterConfig(request_router_class="deployment.router.request_router:KVFleetRouter") \
         .get_serialized_request_router_cls()
     check = (
-        "import sys; from ray import cloudpickle; import deployment.fleet_routing as f\n"
+        "import sys; from ray import cloudpickle; import deployment.router.fleet_view as f\n"
         "cls = cloudpickle.loads(sys.stdin.buffer.read())\n"
         "g = cls.choose_replicas.__globals__\n"
         "assert g['routed_of'] is f.routed_of and g['place'] is f.place, 'copies'\n"
@@ -248,7 +248,7 @@ def test_the_router_serve_ships_by_value_shares_the_ingress_view_and_routed_clas
 
 def kv_router(fleet: Fleet):
     """Serve's router over the fleet's view, without Serve's own state (choose_replicas needs none of it)."""
-    from deployment.kv_router import KVFleetRouter
+    from deployment.router.request_router import KVFleetRouter
 
     router = object.__new__(KVFleetRouter)
     router.view, router.weights = fleet.view, fleet.weights
@@ -407,7 +407,7 @@ def test_a_decision_no_report_accounts_for_counts_sent_s_at_most():
 
 def test_an_engine_replica_forgets_the_least_recently_updated_router_first():
     """The cap on the routers an engine replica reports: a live router keeps its place by routing there."""
-    from deployment.ingress import MAX_ROUTERS, KVFleetEngine
+    from engine.serve import MAX_ROUTERS, KVFleetEngine
 
     class Engine:
         config = SimpleNamespace(engine_id="e-0")

@@ -7,7 +7,7 @@ from test_model_support import make_manager, teacher_forced_logits
 
 from workers.gguf_model import GGUFError, check_gguf
 from workers.loader import _build, _DictSource, _load_weights, load_model
-from workers.models import check_model, load_tokenizer, resolve_model
+from workers.model_setting import check_model, load_tokenizer, resolve_model
 
 
 def _reference(weights):

@@ -10,7 +10,7 @@ from gguf_support import hf_greedy, hf_model, hf_tokenizer, smollm2_path  # noqa
 from test_model_support import greedy, make_manager, teacher_forced_logits
 
 from workers.loader import load_model
-from workers.models import load_tokenizer
+from workers.model_setting import load_tokenizer
 
 pytestmark = pytest.mark.slow
 

@@ -14,11 +14,11 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from deployment.mirror import StatsMirror
-from deployment.protocol import MAX_CACHE_SALT_CHARS, SamplingRequest
-from deployment.routes import create_api
+from deployment.ingress.api.protocol import MAX_CACHE_SALT_CHARS, SamplingRequest
+from deployment.ingress.api.routes import create_api
+from deployment.ingress.sse import SSEDecoder
+from deployment.ingress.stats.mirror import StatsMirror
 from deployment.settings import Settings
-from deployment.sse import SSEDecoder
 from tests.http_support import REPLY, FakeEngine, FakeStats, _assert_openai_error
 
 
@@ -91,7 +91,7 @@ def test_streaming_completion_and_chat(http):
 
 def test_a_response_is_created_at_its_request_and_the_model_at_start(monkeypatch):
     clock = types.SimpleNamespace(time=lambda: 1_796_000_000.0)
-    monkeypatch.setattr("deployment.generation.time", clock)
+    monkeypatch.setattr("deployment.ingress.api.generation.time", clock)
     api = create_api(FakeEngine(), StatsMirror(FakeStats()), Settings(model="random", served_model_name="m"))
     clock.time = lambda: 1_796_003_600.0  # the server has run an hour
     chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}

@@ -7,7 +7,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from deployment.auth import OPEN_ROUTES, KeyCheck, load_keys
+from deployment.ingress.api.auth import OPEN_ROUTES, KeyCheck, load_keys
 from deployment.settings import Settings
 from tests.http_support import _assert_openai_error, serve_fake
 

@@ -8,8 +8,8 @@ from urllib.parse import parse_qs, urlsplit
 import httpx
 import pytest
 
-from deployment.fleet import parse_cursor
-from deployment.sse import SSEDecoder
+from deployment.ingress.sse import SSEDecoder
+from deployment.ingress.stats.fleet import parse_cursor
 from tests.http_support import _assert_openai_error, serve_fleet
 
 A, B = "engine-0-0", "engine-0-1"
@@ -189,7 +189,7 @@ def test_health_names_the_engines_up(fleet, http):
 
 
 def test_client_follows_the_merged_stream(fleet, http):
-    from deployment.client import StatsClient
+    from deployment.clients.client import StatsClient
 
     _fill(fleet, 3, 2)
     _caught_up(fleet, http)

@@ -85,7 +85,7 @@ def test_kv_events_resyncs_an_id_it_cannot_resume_from(server):
 def test_a_stream_whose_engine_goes_away_ends_cleanly_at_its_last_event():
     import asyncio
 
-    from deployment.kv_events import _stream
+    from deployment.ingress.api.kv_events import _stream
 
     class Gone:
         async def kv_events(self, after, timeout_s):
@@ -104,8 +104,8 @@ def test_an_engine_that_cannot_answer_is_a_status_before_the_stream():
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from deployment.errors import install_error_handlers
-    from deployment.kv_events import kv_events_router
+    from deployment.ingress.api.errors import install_error_handlers
+    from deployment.ingress.api.kv_events import kv_events_router
     from engine.errors import EngineError, RequestError
 
     class Fleet:

@@ -1,12 +1,12 @@
 """A streamed completion cut anywhere resumes with `Last-Event-ID` on any ingress replica: the same body POSTed
 again gets exactly the chunks after the last one read, under the first response's id, sampled with its seed
-(deployment/resume.py). Over a fake engine and the real routes under uvicorn (no Ray)."""
+(deployment/ingress/resume.py). Over a fake engine and the real routes under uvicorn (no Ray)."""
 
 import json
 
 import pytest
 
-from deployment.sse import SSEDecoder
+from deployment.ingress.sse import SSEDecoder
 
 COMPLETION = {"prompt": "hi", "max_tokens": 7, "stream": True,
               "stream_options": {"include_usage": True, "resumable": True}, "temperature": 0.9}
@@ -100,7 +100,7 @@ def test_stream_completion_resumes_a_cut_stream_and_retries_a_refusal(server):
     chunks of one uncut stream."""
     import httpx
 
-    from deployment.client import stream_completion
+    from deployment.clients.client import stream_completion
 
     body = {**COMPLETION, "seed": 11}
     with httpx.Client(base_url=server.url, timeout=10) as real:
@@ -149,7 +149,7 @@ def test_a_plain_stream_has_only_data_lines_as_line_based_readers_expect(http):
 
 
 def test_a_long_resume_says_it_is_alive_while_it_makes_again_what_the_client_has(http, monkeypatch):
-    from deployment import generation
+    from deployment.ingress.api import generation
 
     monkeypatch.setattr(generation, "RESUME_COMMENT_S", 0.0)
     full = _events(_post(http, "/v1/completions", COMPLETION))
@@ -163,7 +163,7 @@ def test_stream_completion_will_not_splice_a_cut_stream_it_cannot_resume_and_ret
     appended to the first; a 429 before any response is retried as OpenAI's client does."""
     import httpx
 
-    from deployment.client import StreamError, stream_completion
+    from deployment.clients.client import StreamError, stream_completion
 
     calls = []
 

@@ -13,8 +13,8 @@ import httpx
 import pytest
 from e2e_fixtures import prometheus_query
 
-from deployment.client import StatsClient, StatsError
-from deployment.sse import SSEDecoder
+from deployment.clients.client import StatsClient, StatsError
+from deployment.ingress.sse import SSEDecoder
 from tests.http_support import _assert_openai_error, all_stats, caught_up, read_chunks, read_events
 
 BAD_STATS = [
@@ -183,7 +183,7 @@ def test_real_prometheus_scrapes_metrics_route(server, tmp_path):
 
 
 def test_loadgen_reports_the_run(server, capsys):
-    from deployment.loadgen import main
+    from deployment.clients.loadgen import main
 
     before = len(server.stats.records)
     assert main(["--url", server.url, "--requests", "6", "--concurrency", "3", "--prefixes", "2",

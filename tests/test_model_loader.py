@@ -10,7 +10,7 @@ from test_model_support import greedy, make_manager, save_hf_model, teacher_forc
 from kvcache import KVCacheManager
 from workers.config import CacheSettings
 from workers.loader import kv_cache_config, load_model
-from workers.models import default_config
+from workers.model_setting import default_config
 
 
 @pytest.fixture(scope="module")

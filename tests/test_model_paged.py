@@ -7,7 +7,7 @@ from test_model_support import greedy, make_manager, step
 
 from workers.loader import load_model
 from workers.model import SeqInput
-from workers.models import load_tokenizer
+from workers.model_setting import load_tokenizer
 from workers.sampling import sample
 from workers.sampling_params import SamplingParams
 

@@ -11,8 +11,8 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 
-from deployment.mirror import StatsMirror
-from deployment.routes import create_api
+from deployment.ingress.api.routes import create_api
+from deployment.ingress.stats.mirror import StatsMirror
 from deployment.settings import Settings
 from tests.http_support import FakeEngine, FakeStats
 

@@ -216,13 +216,15 @@ def test_a_waiting_request_claims_only_what_its_group_does_not_hold_when_it_is_a
         return Group(waiting=deque(reqs))
 
     g = waiting()
-    assert [w.budget for w in plan_group(g, 0, config, r.cached_tokens).work] == [65]  # none held: r0 prefills it
+    # none held: r0 prefills it
+    assert [w.num_scheduled_tokens for w in plan_group(g, 0, config, r.cached_tokens).work] == [65]
     assert [q.id for q in g.waiting] == [f"r{i}" for i in range(1, 8)]  # the rest wait behind it, in order
     hold(r, 0, keys)  # r0 published it
-    assert [w.budget for w in plan_group(waiting(), 1, config, r.cached_tokens).work] == [1] * 8
+    assert [w.num_scheduled_tokens for w in plan_group(waiting(), 1, config, r.cached_tokens).work] == [1] * 8
     g = waiting()
     g.waiting[0].block_keys = prompt_keys([7] * 64, B)  # another prefix first: none waits for it
-    assert [w.budget for w in plan_group(g, 2, config).work] == [65, 65]  # r1 prefills theirs, r2.. wait for it
+    # r1 prefills theirs, r2.. wait for it
+    assert [w.num_scheduled_tokens for w in plan_group(g, 2, config).work] == [65, 65]
 
 
 def test_a_prefix_on_its_way_into_a_group_draws_the_requests_that_share_it():
@@ -233,7 +235,7 @@ def test_a_prefix_on_its_way_into_a_group_draws_the_requests_that_share_it():
     first.block_keys = keys
     groups[2].waiting.append(first)  # placed, not prefilled yet: nothing in the index
     assert r.choose(keys, len(PROMPT) + 1, groups, [0, 1, 2]) == (2, 4)
-    first.known_history = len(first.prompt)  # prefilled: what it published is the index's to say
+    first.num_computed_tokens = len(first.prompt)  # prefilled: what it published is the index's to say
     assert r.choose(keys, len(PROMPT) + 1, groups, [0, 1, 2])[1] == 0
 
 

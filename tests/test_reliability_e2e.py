@@ -11,7 +11,7 @@ import httpx
 import pytest
 import ray
 
-from deployment.client import stream_completion
+from deployment.clients.client import stream_completion
 from tests.e2e_fixtures import completion_text, module_app
 from tests.http_support import all_stats
 
@@ -79,7 +79,7 @@ def test_a_rank_killed_mid_generation_leaves_every_answer_complete(app):
 
 def test_the_engine_replica_killed_under_streaming_traffic_loses_no_request(app):
     """ONE engine replica: its in-flight requests wait for the replica Serve starts in its place, and go on from
-    prompt + tokens so far there (deployment/resend.py)."""
+    prompt + tokens so far there (deployment/ingress/resend.py)."""
     samplings = [{}, {"temperature": 0.8, "top_p": 0.9, "seed": 7}]  # greedy (BODY's temperature 0), seeded
     cases = [(p, i, stream) for p in PROMPTS[:2] for i in range(len(samplings)) for stream in (False, True)]
     extra = {"max_tokens": 160}  # long enough to be still streaming when the replica dies

@@ -1,4 +1,4 @@
-"""The ingress re-sends a request whose engine replica died (deployment/resend.py), over a fake handle whose
+"""The ingress re-sends a request whose engine replica died (deployment/ingress/resend.py), over a fake handle whose
 "replicas" are real in-process engines (no Ray cluster): the tokens equal a run without the fault, greedy and
 seeded; an unseeded sampled request keeps one seed; a refusal is not re-sent; the deadline gives a 503."""
 
@@ -9,8 +9,8 @@ import itertools
 import pytest
 import ray
 
-from deployment import resend
-from deployment.ingress import EngineClient
+from deployment.ingress import resend
+from deployment.ingress.engine_client import EngineClient
 from engine.errors import EngineError, Overloaded, RequestError
 from tests.engine_harness import generate, make_engine
 from workers.sampling_params import SamplingParams

@@ -6,8 +6,8 @@ import time
 import httpx
 import pytest
 
-from deployment.client import StatsClient
-from deployment.sse import SSEDecoder
+from deployment.clients.client import StatsClient
+from deployment.ingress.sse import SSEDecoder
 from engine.placement import salt_label
 from kvcache.events import prompt_keys
 

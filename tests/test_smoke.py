@@ -35,7 +35,7 @@ def test_aggregator_does_not_load_torch():
 def test_the_engine_and_the_messages_to_a_rank_import_no_torch():
     """The engine replica's loop reaches a rank only through workers.step; torch stays inside the ranks."""
     code = ("import sys, engine, engine.core, engine.placement, engine.ranks, engine.transport, engine.recovery, "
-            "engine.stats_channel, workers.step, workers.sampling_params, workers.models; "
+            "engine.stats_channel, workers.step, workers.sampling_params, workers.model_setting; "
             "bad = [m for m in ('torch', 'workers.worker', 'workers.model', 'workers.loader') if m in sys.modules]; "
             "print(bad); sys.exit(1 if bad else 0)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

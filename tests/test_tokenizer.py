@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from workers.models import load_tokenizer
+from workers.model_setting import load_tokenizer
 from workers.tokenizer import ByteTokenizer, HFTokenizer, role_tag_template
 
 TEXT = "héllo, wörld — 你好 🙂!"

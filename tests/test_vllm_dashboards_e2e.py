@@ -14,7 +14,7 @@ import pytest
 from e2e_fixtures import instant_query, prometheus_server
 
 from aggregator.vllm_names import unfilled_reason
-from deployment.loadgen import run_load
+from deployment.clients.loadgen import run_load
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray, pytest.mark.slow]
 

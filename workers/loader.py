@@ -1,7 +1,7 @@
 """Loading a model (a name, a GGUF file, a Hugging Face directory, or the built-in random one) and sizing its
 KV cache.
 
-What a `KVFLEET_MODEL` setting names is `workers/models.py`'s (no torch). A model directory holds
+What a `KVFLEET_MODEL` setting names is `workers/model_setting.py`'s (no torch). A model directory holds
 `config.json`, `*.safetensors` and `tokenizer.json`. Each tp rank reads only its slice of every sharded tensor
 (`safe_open(...).get_slice`), straight into parameters created on the target device and dtype. The built-in
 model ("random") is a small Qwen3-style model with one sliding-window layer and the byte tokenizer's
@@ -23,7 +23,7 @@ import torch
 from workers.config import CacheSettings, ModelConfig
 from workers.gguf_model import GGUFSource, check_gguf, read_gguf
 from workers.model import Model
-from workers.models import RANDOM_MODEL, default_config, resolve_model
+from workers.model_setting import RANDOM_MODEL, default_config, resolve_model
 
 log = logging.getLogger("kvfleet.worker")
 

@@ -50,10 +50,11 @@ class NewRequest:
 
 @dataclass
 class Work:
-    """Run up to `budget` tokens of a request; `append` is the token sampled last step (None in prefill)."""
+    """Run up to `num_scheduled_tokens` tokens of a request (vLLM's word); `append` is the token sampled last
+    step (None in prefill)."""
 
     request_id: str
-    budget: int
+    num_scheduled_tokens: int
     append: int | None = None
 
 

@@ -350,7 +350,7 @@ class RankWorker:
             req = self.reqs[w.request_id]
             if req.kv is None:
                 self._open(req)
-            n = min(w.budget, len(req.tokens) - req.kv.history_length)
+            n = min(w.num_scheduled_tokens, len(req.tokens) - req.kv.history_length)
             if n <= 0:
                 continue
             while not (req.kv.resume() and req.kv.resize(req.kv.history_length + n)):

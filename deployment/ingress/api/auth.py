@@ -20,7 +20,7 @@ from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from deployment.errors import APIError, error_response
+from deployment.ingress.api.errors import APIError, error_response
 
 OPEN_ROUTES = ("/health", "/dashboard", "/dashboard/assets/{name}")
 METRICS_ROUTES = ("/metrics", "/trtllm/prometheus/metrics")  # the same Prometheus text: both take the scrape key

@@ -1,7 +1,7 @@
 """GET /dashboard: one HTML page of live charts over /stats/stream, and the two scripts it loads.
 
 The charting library is plotly.js exactly as the `plotly` wheel ships it, read from the installed package (no
-CDN: machines may be offline; no copy in this repository). Our own page is `deployment/dashboard/index.html`
+CDN: machines may be offline; no copy in this repository). Our own page is `deployment/ingress/api/dashboard/index.html`
 and `dashboard.js`, package data. These routes carry no statistics, so they stay open when API keys are set:
 the page sends the key with its own data requests. Scripts are named with a hash of their bytes in the page,
 so a browser may keep them for a year and still never runs a stale one after an upgrade.
@@ -19,7 +19,7 @@ from importlib import resources
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, Response
 
-from deployment.errors import APIError
+from deployment.ingress.api.errors import APIError
 
 JS_MEDIA_TYPE = "text/javascript; charset=utf-8"
 ASSET_CACHE = "public, max-age=31536000, immutable"

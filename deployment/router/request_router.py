@@ -1,4 +1,4 @@
-"""Serve's request router for the engine deployment with `fleet_routing: kv` (deployment/fleet_routing.py).
+"""Serve's request router for the engine deployment with `fleet_routing: kv` (deployment/router/fleet_view.py).
 
 Only the class, on purpose: Serve pickles the module of a router class given by path *by value* into every
 handle's process, so anything defined here would be a private copy there. What the router shares with the
@@ -12,7 +12,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from deployment.fleet_routing import fleet_view, place, routed_of, went_to
+from deployment.router.fleet_view import fleet_view, place, routed_of, went_to
 
 
 class KVFleetRouter(RequestRouter):

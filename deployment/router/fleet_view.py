@@ -1,9 +1,9 @@
 """Exact KV-aware routing across engine replicas (`fleet_routing: kv`): what Serve's `RequestRouter`
-(deployment/kv_router.py) decides with, fed by the replicas' own KV event streams.
+(deployment/router/request_router.py) decides with, fed by the replicas' own KV event streams.
 
 Two levels, one rule. Each engine places a request on one of its dp groups with the `kv` score
 (engine/placement.py); with several engine replicas this router scores every (replica, dp group) pair with
-the same `kv_score`, from one `KVIndex` per replica built from that replica's `/kv_events` stream, and hands
+the same rule (`kv_rank`), from one `KVIndex` per replica built from that replica's `/kv_events` stream, and hands
 the chosen replica the group it scored best (`Routed.dp`), so the engine does not route a second time.
 
 - `FleetFollower` (in the ingress replica, on its event loop) long-polls each replica's `follow`: the events
@@ -45,7 +45,8 @@ from typing import Any
 
 from engine.kv_index import KVIndex
 from engine.kv_stream import index_events
-from engine.placement import kv_score
+from engine.messages import Routed
+from engine.placement import kv_rank
 from kvcache.events import prompt_keys
 
 logger = logging.getLogger("kvfleet.deployment")
@@ -56,32 +57,6 @@ PUBLISH_S = 5.0  # how long a sent prompt's blocks count as coming without its r
 # how long a decision counts in its replica's load without the replica reporting it admitted (reports come every
 # POLL_S): its request went elsewhere, or nowhere, and Serve did not say
 SENT_S = 10.0
-
-
-@dataclass
-class Routed:
-    """What the engine deployment's request router reads of a generate call, and what it decided.
-
-    `prompt`: Ray Serve LLM's PrefixCacheAffinityRouter takes the text of a `prompt` attribute of any
-    positional argument (the prompt as the engine sees it, a chat's templated text). `token_ids`, `cache_salt`,
-    `max_tokens`: what `KVFleetRouter` keys and weighs. It writes `engine`, `dp`, `blocks` (the prompt blocks
-    the group holds), `partial` (the prompt tokens past them its rank will reuse in part) and its ticket before
-    Serve sends the call, so they travel with it."""
-
-    prompt: str = ""
-    token_ids: list[int] | None = None
-    cache_salt: str | None = None
-    max_tokens: int = 0
-    engine: str | None = None
-    dp: int = -1
-    blocks: int = 0
-    partial: int = 0
-    router: str = ""  # the deciding router's view id, and its ticket for this request (ReplicaView.report)
-    ticket: int = -1
-
-    def placed(self, engine_id: str) -> tuple[int, int, int] | None:
-        """(dp group, blocks held, tokens reused in part past them) if the router chose a group of this engine."""
-        return (self.dp, self.blocks, self.partial) if self.engine == engine_id and self.dp >= 0 else None
 
 
 @dataclass
@@ -242,7 +217,7 @@ def _best_group(v: ReplicaView, weights: tuple[float, float, float, float], keys
         hits = v.prefix(dp, keys)
         sent_tokens, sent_blocks = v.pending(dp)
         load, room = g["load"] + sent_tokens, g["room"] - sent_blocks
-        rank = (-kv_score(weights, B, hits, load, need, room), load, len(v.index.blocks[dp]), -room, order, dp)
+        rank = kv_rank(weights, B, hits, load, need, room, len(v.index.blocks[dp])) + (order, dp)
         if choice is None or rank < choice[0]:
             choice = (rank, sum(hits), dp)
     return choice

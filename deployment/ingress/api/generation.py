@@ -19,12 +19,13 @@ from typing import Any, Literal, Protocol
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from deployment import protocol, resume
-from deployment.detokenize import TextStream
-from deployment.errors import APIError, engine_error, error_body
-from deployment.resend import with_seed
+from deployment.ingress import resume
+from deployment.ingress.api import protocol
+from deployment.ingress.api.detokenize import TextStream
+from deployment.ingress.api.errors import APIError, engine_error, error_body
+from deployment.ingress.resend import with_seed
+from deployment.ingress.sse import SSE_EVENT, SSE_HEADERS, format_comment, format_event, last_event_id
 from deployment.settings import Settings
-from deployment.sse import SSE_EVENT, SSE_HEADERS, format_comment, format_event, last_event_id
 from engine.errors import RequestError
 
 logger = logging.getLogger("kvfleet.deployment")
@@ -185,7 +186,7 @@ class _Generation:
     def _position(request: Request, req: protocol.CompletionRequest | protocol.ChatCompletionRequest, kind: str,
                   ids: list[int], params: Any, rid: str, created: int) -> resume.StreamPosition | None:
         """A resumable stream's position (its seed picked here, so its event ids can name it), or the one a
-        `Last-Event-ID` resumes (deployment/resume.py); None for other requests."""
+        `Last-Event-ID` resumes (deployment/ingress/resume.py); None for other requests."""
         cut = last_event_id(request.headers)
         if not req.resumable:
             if cut is not None:

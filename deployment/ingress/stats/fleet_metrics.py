@@ -23,7 +23,7 @@ def _snake(camel: str) -> str:
     return re.sub(r"(?<!^)(?=[A-Z])", "_", camel).lower()
 
 
-# (name, type, help): the fleet totals, from the sum of the engines' kvCacheStats (deployment/fleet.py)
+# (name, type, help): the fleet totals, from the sum of the engines' kvCacheStats (deployment/ingress/stats/fleet.py)
 FLEET_METRICS: list[tuple[str, str, str]] = [
     *[(f"kvfleet_fleet_kv_cache_{_snake(k)}_total", "counter", f"fleet cumulative {k}: the engines' sum")
       for k in KV_STATS_COUNTERS],

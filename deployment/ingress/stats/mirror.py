@@ -23,9 +23,11 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from aggregator.buffer import LongPoll, RecordBuffer
-from deployment.sse import format_comment, format_event
+from deployment.ingress.sse import format_comment, format_event
+from engine.backoff import backoff_s
 
 logger = logging.getLogger("kvfleet.deployment")
+UPSTREAM_BACKOFF_S = (0.2, 5.0)  # the pause after a failed aggregator call, doubling, and its ceiling
 PRIME_TIMEOUT_S = 5.0
 CHUNK = 1000  # records a reader takes from the mirror at once: one SSE write at most
 
@@ -102,7 +104,7 @@ class StatsMirror:
                 failures += 1
                 self._resync = self._primed.is_set()
                 logger.warning("stats mirror: aggregator call failed (%s), retry %d", type(exc).__name__, failures)
-                await asyncio.sleep(min(5.0, 0.1 * 2**failures))  # backoff before calling it again
+                await asyncio.sleep(backoff_s(failures, *UPSTREAM_BACKOFF_S))
                 continue
             self._primed.set()
             fresh = [r for r in records if r["iter"] > self._head]
@@ -171,7 +173,7 @@ class StatsMirror:
         await self._ready()
         return await self._changes.wait(lambda: self._records.since(since, CHUNK), timeout_s)
 
-    # ---- what a fleet (deployment/fleet.py) reads
+    # ---- what a fleet (deployment/ingress/stats/fleet.py) reads
 
     async def ready(self) -> None:
         await self._ready()

@@ -1,6 +1,6 @@
 """A small Python client for kvfleet's statistics, the counterpart of TensorRT-LLM's `LLM.get_stats()`.
 
-    from deployment.client import StatsClient
+    from deployment.clients.client import StatsClient
     with StatsClient("http://127.0.0.1:8000") as c:
         records = c.get_stats(since=-1)          # a page of cluster records with iter > since, oldest first
         everything = c.get_all_stats()           # every buffered record, page after page
@@ -8,7 +8,7 @@
             ...                                  # (with several engines: every engine's, the vector cursor)
         c.kv_cache_stats()                       # the cluster's cumulative kvCacheStats
 
-    from deployment.client import stream_completion
+    from deployment.clients.client import stream_completion
     stream_completion("http://127.0.0.1:8000", {"prompt": "Hi", "max_tokens": 16}).text  # resumes a cut stream
 
 Server errors arrive in OpenAI's shape and are raised as `StatsError` with the server's message.
@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from deployment.sse import SSEDecoder
+from deployment.ingress.sse import SSEDecoder
 
 logger = logging.getLogger("kvfleet.deployment")
 
@@ -213,7 +213,7 @@ def stream_completion(base_url: str, body: dict, path: str = "/v1/completions", 
     """A streamed completion (or chat completion, by `path`) read to `[DONE]` through what a server of
     replicas does to a stream: a refusal before any response is retried after its Retry-After (at least
     0.2 s), and a stream cut by the death of the ingress replica carrying it is resumed with `Last-Event-ID`
-    (it asks for `stream_options.resumable`; deployment/resume.py), so the chunks are those of one uncut
+    (it asks for `stream_options.resumable`; deployment/ingress/resume.py), so the chunks are those of one uncut
     stream. Raises StreamError (with the chunks that had arrived) for any other refusal, an in-band error, a
     malformed chunk, a cut stream that cannot be resumed, or when nothing took the request again within
     `give_up_s` of a failure."""

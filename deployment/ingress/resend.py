@@ -34,6 +34,7 @@ from typing import Any
 
 from ray.exceptions import RayActorError, RayTaskError
 
+from engine.backoff import backoff_s
 from engine.errors import RETRY_AFTER_DOWN_S, EngineError
 
 logger = logging.getLogger("kvfleet.deployment")
@@ -71,7 +72,7 @@ async def resending(send: Send, request_id: str | None, prompt: list[int], param
     params = with_seed(params)
     got: list[int] = []
     deadline = time.monotonic() + admission_s
-    pause = RESEND_BACKOFF_S[0]
+    tries = 0  # re-sends since the last loss
     announced = False
     for attempt in itertools.count():
         rid = request_id if attempt == 0 or request_id is None else f"{request_id}-resend{attempt}"
@@ -94,11 +95,11 @@ async def resending(send: Send, request_id: str | None, prompt: list[int], param
             if not lost(exc):
                 raise
             if taken:  # a new outage: the re-send has its own time, and starts with a short pause
-                deadline, pause = time.monotonic() + resend_s, RESEND_BACKOFF_S[0]
+                deadline, tries = time.monotonic() + resend_s, 0
+            tries += 1
             logger.warning("request %s lost its engine replica (%s) after %d tokens: re-sending", request_id,
                            type(exc).__name__, len(got))
-            await asyncio.sleep(max(0.0, min(pause, deadline - time.monotonic())))
-            pause = min(2 * pause, RESEND_BACKOFF_S[1])
+            await asyncio.sleep(max(0.0, min(backoff_s(tries, *RESEND_BACKOFF_S), deadline - time.monotonic())))
             if time.monotonic() >= deadline:
                 raise _too_late(announced, admission_s, resend_s) from None
         finally:

@@ -24,7 +24,7 @@ import hashlib
 import re
 from typing import Any
 
-from deployment.errors import APIError
+from deployment.ingress.api.errors import APIError
 
 _ID = re.compile(r"^((?:chat)?cmpl-[0-9a-f]{32})\.(\d{1,12})\.(\d{0,19})\.([0-9a-f]{12})\.(\d{1,9})\.([0-9a-f]{8})$")
 

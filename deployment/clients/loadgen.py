@@ -1,6 +1,6 @@
 """Traffic for newcomers: a shared-prefix workload against a running app, then what the KV cache did.
 
-    python -m deployment.loadgen --url http://127.0.0.1:8000 --requests 64
+    python -m deployment.clients.loadgen --url http://127.0.0.1:8000 --requests 64
 
 Requests share a few long "system prompt" prefixes and differ in a short suffix, the pattern that makes
 prefix reuse pay off; with the demo-sized cache, enough distinct prefixes also force eviction and offload
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import httpx
 from tqdm import tqdm
 
-from deployment.client import StatsClient
+from deployment.clients.client import StatsClient
 
 WORDS = ("cache block rank tensor prefix token window stream layer head shard query value key pool tier "
          "evict reuse offload decode batch").split()

@@ -1,18 +1,18 @@
 """The statistics routes: /stats, /stats/stream, /stats/ranks, /kv_cache_stats and /metrics over the replica's
-FleetStats (deployment/fleet.py: one StatsMirror per engine). Reading never removes a record and never reaches
-the engine. With one engine (or `?engine=<id>`) a route reads that engine's mirror, as it always has; with
-several and no `engine`, the merged reads, whose positions are vectors (fleet.parse_cursor)."""
+FleetStats (deployment/ingress/stats/fleet.py: one StatsMirror per engine). Reading never removes a record
+and never reaches the engine. With one engine (or `?engine=<id>`) a route reads that engine's mirror, as it
+always has; with several and no `engine`, the merged reads, whose positions are vectors (fleet.parse_cursor)."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from deployment.errors import APIError
-from deployment.fleet import CursorError, FleetStats, format_cursor, parse_cursor
-from deployment.mirror import StatsMirror
-from deployment.sse import SSE_EVENT, SSE_HEADERS
-from deployment.sse import last_event_id as read_last_event_id
+from deployment.ingress.api.errors import APIError
+from deployment.ingress.sse import SSE_EVENT, SSE_HEADERS
+from deployment.ingress.sse import last_event_id as read_last_event_id
+from deployment.ingress.stats.fleet import CursorError, FleetStats, format_cursor, parse_cursor
+from deployment.ingress.stats.mirror import StatsMirror
 
 STATS_PAGE = 100  # records a /stats page holds by default (~0.5 MB): the whole buffer is ~46 MB
 MAX_STATS_PAGE = 1000
@@ -169,7 +169,7 @@ def stats_router(stats: FleetStats, world_size: int) -> APIRouter:
 def metrics_router(fleet: FleetStats) -> APIRouter:
     """/metrics and its trtllm-serve path: they take the scrape key as well as the API keys (auth.py
     METRICS_ROUTES). With several engines, every engine's series labelled `engine`, plus the fleet totals
-    (deployment/fleet_metrics.py)."""
+    (deployment/ingress/stats/fleet_metrics.py)."""
     router = APIRouter(tags=["statistics"])
     stats = fleet.single or fleet
 

@@ -18,9 +18,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from aggregator.buffer import LongPoll
-from deployment.fleet_metrics import merge_metrics
-from deployment.mirror import CHUNK, StatsMirror, Upstream, paced
-from deployment.sse import format_comment, format_event
+from deployment.ingress.sse import format_comment, format_event
+from deployment.ingress.stats.fleet_metrics import merge_metrics
+from deployment.ingress.stats.mirror import CHUNK, StatsMirror, Upstream, paced
 from kvcache.stats import hit_rate
 
 logger = logging.getLogger("kvfleet.deployment")

@@ -21,8 +21,8 @@ from typing import Any
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response, StreamingResponse
 
-from deployment.errors import APIError, engine_error
-from deployment.sse import SSE_EVENT, SSE_HEADERS, format_comment, format_event, last_event_id
+from deployment.ingress.api.errors import APIError, engine_error
+from deployment.ingress.sse import SSE_EVENT, SSE_HEADERS, format_comment, format_event, last_event_id
 from engine.errors import EngineError, RequestError
 
 ENGINE = Query(None, alias="engine", description="with several engines, the one whose stream this is")

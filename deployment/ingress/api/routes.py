@@ -1,7 +1,7 @@
 """The HTTP API: one FastAPI app from the OpenAI router, the statistics router, the dashboard and /health.
 
 `create_api(engine, stats, settings)` knows nothing about Ray Serve: the routes are tested with a fake engine
-(implementing `EngineProtocol`) under plain uvicorn; `ingress.py` plugs in the engine's handle and the fleet's
+(implementing `EngineProtocol`) under plain uvicorn; `ingress/serve.py` plugs in the engine's handle and the fleet's
 stats mirrors (one per engine; a lone StatsMirror is the fleet of `settings.engine_id`).
 The OpenAPI document says what the app does: errors are OpenAI-shaped 4xx/5xx bodies (FastAPI's 422
 never happens: validation errors are answered 400), and each route's real media type.
@@ -17,15 +17,15 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 
-from deployment.auth import BEARER_SCHEME, KeyGuard, load_keys
-from deployment.dashboard_routes import dashboard_router
-from deployment.errors import ERROR_SCHEMA, ErrorResponse, clean_message, error_body, install_error_handlers
-from deployment.fleet import FleetStats
-from deployment.generation import EngineProtocol, openai_router
-from deployment.kv_events import kv_events_router
-from deployment.mirror import StatsMirror
+from deployment.ingress.api.auth import BEARER_SCHEME, KeyGuard, load_keys
+from deployment.ingress.api.dashboard_routes import dashboard_router
+from deployment.ingress.api.errors import ERROR_SCHEMA, ErrorResponse, clean_message, error_body, install_error_handlers
+from deployment.ingress.api.generation import EngineProtocol, openai_router
+from deployment.ingress.api.kv_events import kv_events_router
+from deployment.ingress.api.stats_routes import metrics_router, stats_router
+from deployment.ingress.stats.fleet import FleetStats
+from deployment.ingress.stats.mirror import StatsMirror
 from deployment.settings import Settings
-from deployment.stats_routes import metrics_router, stats_router
 
 logger = logging.getLogger("kvfleet.deployment")
 

@@ -1,0 +1,82 @@
+"""Building the Serve application: settings parsed and the model checked once, then the engine deployment
+(engine/serve.py) with its request router (router/) and the ingress deployment (ingress/) bound to it.
+`serve run deployment:app` and `serve run deployment:build_app key=value ...` land here."""
+
+from typing import Any
+
+from pydantic import ValidationError
+from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
+
+from deployment.ingress.serve import KVFleetIngress
+from deployment.settings import Settings
+from engine.serve import NUM_CPUS, KVFleetEngine
+
+
+def parse_settings(args: dict[str, Any] | None) -> Settings:
+    """Settings from builder args (`key=value` on the command line, or a Serve config's `args:`) + env."""
+    given = {str(k).strip().lower().replace("-", "_"): v for k, v in (args or {}).items()}
+    try:
+        return Settings(**given)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(x) for x in e['loc']) or 'settings'}: {e['msg']}" for e in exc.errors()
+        )
+        known = ", ".join(Settings.model_fields)
+        raise ValueError(f"invalid kvfleet settings: {problems} (known settings: {known})") from None
+
+
+def check_model_setting(settings: Settings) -> None:
+    """The model file and tp, checked where the app is built: a bad one fails `serve run` (or a RayService's
+    deploy) once, with one line naming the file, instead of failing every engine replica's constructor."""
+    from workers.model_setting import check_model  # no torch; reads the file's header
+
+    try:
+        check_model(settings.model or None, settings.tp)
+    except ValueError as exc:
+        raise ValueError(f"invalid kvfleet settings: {exc}") from None
+
+
+# the routers `fleet_routing` names: Serve's default, and Ray Serve LLM's prefix tree over what it routed (it
+# scans the handle call's positional arguments for the first with a `prompt` or `messages` attribute, and reads
+# the text there: here the `Routed` that EngineClient.generate passes last; none raises). The latter by its own
+# module: its public re-export, ray.serve.llm.request_router, imports Ray Serve LLM's protocol models, which
+# need vLLM or SGLang installed
+FLEET_ROUTERS = {"kv": "deployment.router.request_router:KVFleetRouter",
+                 "pow2": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",
+                 "prefix_affinity": "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:"
+                                    "PrefixCacheAffinityRouter"}
+
+
+def request_router(settings: Settings) -> RequestRouterConfig | None:
+    """The engine deployment's request router: which engine replica takes a request (None: Serve's default,
+    so `serve build` writes no router for it)."""
+    if settings.fleet_policy == "pow2":
+        return None
+    if settings.fleet_policy == "kv":
+        return RequestRouterConfig(request_router_class=FLEET_ROUTERS["kv"], request_router_kwargs={
+            "primary_weight": settings.routing_primary_weight, "host_weight": settings.routing_host_weight,
+            "load_weight": settings.routing_load_weight, "free_weight": settings.routing_free_weight})
+    return RequestRouterConfig(request_router_class=FLEET_ROUTERS[settings.fleet_policy])
+
+
+def build_app(args: dict[str, Any] | None = None) -> Application:
+    """`serve run deployment:build_app tp=2 ...` and Serve configs' `args:` land here."""
+    settings = parse_settings(args)
+    check_model_setting(settings)
+    router = request_router(settings)
+    engine = KVFleetEngine.options(num_replicas=settings.engine_replicas,
+                                   ray_actor_options=actor_options(settings.engine_resource),
+                                   **({"request_router_config": router} if router else {})).bind(settings)
+    return KVFleetIngress.options(num_replicas=settings.ingress_replicas,
+                                  ray_actor_options=actor_options(settings.ingress_resource)).bind(settings, engine)
+
+
+def actor_options(resource: str) -> dict[str, Any]:
+    """A replica's actor options: no CPU, and a sliver of `resource` when one is set, so Serve places (and
+    replaces) it only on the nodes that advertise it (on KubeRay a worker group's, never the head's:
+    k8s/README.md, "Across several nodes"). Serve's own placement knobs do not fit: `placement_group_strategy`
+    is per replica, and node affinity would name a node id that a new node no longer has."""
+    from aggregator.actor import SLIVER
+
+    return {"num_cpus": NUM_CPUS, **({"resources": {resource: SLIVER}} if resource else {})}

@@ -1,0 +1,1 @@
+"""The HTTP API as a FastAPI app over an engine and a stats view, Serve-free (tested over a fake engine)."""

@@ -1,0 +1,49 @@
+"""The stats view's upstream: one engine's StatsAggregator actor, called from the ingress replica."""
+
+from typing import Any
+
+
+class AggregatorClient:
+    """The mirror's upstream: the StatsAggregator actor handle, given (the engine named it), or found by the
+    engine's id: then looked up on first use and again after a failed call, since an engine that has not
+    started yet has no aggregator, and one replaced by a new actor of the same name has a new handle."""
+
+    def __init__(self, handle: Any = None, engine_id: str | None = None) -> None:
+        if handle is None and engine_id is None:
+            raise ValueError("AggregatorClient needs the aggregator's handle or its engine's id")
+        self._h, self._engine_id = handle, engine_id
+
+    def _handle(self) -> Any:
+        if self._h is None:
+            import ray
+
+            from aggregator.actor import NAMESPACE, aggregator_name
+
+            self._h = ray.get_actor(aggregator_name(self._engine_id), namespace=NAMESPACE)
+        return self._h
+
+    async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await getattr(self._handle(), method).remote(*args, **kwargs)
+        except Exception:
+            if self._engine_id is not None:
+                self._h = None  # look it up again next time
+            raise
+
+    async def query(self, since: int, limit: int | None, ranks: bool) -> list[dict]:
+        return await self._call("query", since=since, limit=limit, ranks=ranks)
+
+    async def wait_records(self, since: int, timeout_s: float) -> list[dict]:
+        return await self._call("wait_records", since, timeout_s=timeout_s)
+
+    async def ranks(self) -> dict:
+        return await self._call("ranks")
+
+    async def kv_cache_stats(self) -> dict:
+        return await self._call("kv_cache_stats")
+
+    async def metrics_text(self) -> str:
+        return await self._call("metrics_text")
+
+    async def health(self) -> dict:
+        return await self._call("health")

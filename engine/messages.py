@@ -1,0 +1,32 @@
+"""The messages between the ingress, Serve's request router and the engine deployment (no torch, no Ray): what
+a generate call carries for the router to read and decide on (`Routed`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Routed:
+    """What the engine deployment's request router reads of a generate call, and what it decided.
+
+    `prompt`: Ray Serve LLM's PrefixCacheAffinityRouter takes the text of a `prompt` attribute of any
+    positional argument (the prompt as the engine sees it, a chat's templated text). `token_ids`, `cache_salt`,
+    `max_tokens`: what `KVFleetRouter` keys and weighs. It writes `engine`, `dp`, `blocks` (the prompt blocks
+    the group holds), `partial` (the prompt tokens past them its rank will reuse in part) and its ticket before
+    Serve sends the call, so they travel with it."""
+
+    prompt: str = ""
+    token_ids: list[int] | None = None
+    cache_salt: str | None = None
+    max_tokens: int = 0
+    engine: str | None = None
+    dp: int = -1
+    blocks: int = 0
+    partial: int = 0
+    router: str = ""  # the deciding router's view id, and its ticket for this request (ReplicaView.report)
+    ticket: int = -1
+
+    def placed(self, engine_id: str) -> tuple[int, int, int] | None:
+        """(dp group, blocks held, tokens reused in part past them) if the router chose a group of this engine."""
+        return (self.dp, self.blocks, self.partial) if self.engine == engine_id and self.dp >= 0 else None
