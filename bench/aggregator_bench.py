@@ -1,7 +1,7 @@
 """Aggregator benchmark: the one stats channel through the real StatsAggregator actor at 8, 64 and 256 ranks.
 
 The engine's side is the real `workers.stats_channel.StatsChannel` in this process (one ingest call in flight,
-batching by itself); the ranks are `tests.aggregator_support.FakeCluster` rows (pre-built, so making them is
+batching by itself); the ranks are `tests.support.aggregator_support.FakeCluster` rows (pre-built, so making them is
 not timed). Per rank count:
 - `paced`: 20 iterations/s for `--seconds`; emission lag = when a reader's long poll (`wait_records`) sees the
   record minus when the engine handed the iteration over; p50 / p99.
@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from aggregator import get_or_create_aggregator  # noqa: E402
 from engine.stats_channel import StatsChannel  # noqa: E402
-from tests.aggregator_support import FakeCluster  # noqa: E402
+from tests.support.aggregator_support import FakeCluster  # noqa: E402
 
 
 @ray.remote(num_cpus=0)

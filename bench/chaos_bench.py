@@ -3,7 +3,8 @@
     python bench/chaos_bench.py --duration 240            # the CI-sized run (4 min)
     python bench/chaos_bench.py --duration 3600           # the hour-long run
 
-Starts a multi-node cluster on this machine (`ray.cluster_utils.Cluster`, tests/multinode_support.py: a head with
+Starts a multi-node cluster on this machine (`ray.cluster_utils.Cluster`,
+tests/support/multinode_support.py: a head with
 no CPUs that runs the Serve replicas and the aggregator, `--nodes` worker nodes of `--node-cpus` CPUs for the
 ranks) and the app on it (dp 2 x tp 2 by default, the random model unless `--model`). `--clients` clients stream
 shared-prefix completions the whole time. Every `--fault-every` seconds one fault, in turn: kill a rank, kill
@@ -43,7 +44,7 @@ import ray  # noqa: E402
 
 from deployment.clients.client import Streamed, StreamError, stream_completion  # noqa: E402
 from deployment.clients.loadgen import make_prompts  # noqa: E402
-from tests import multinode_support as mns  # noqa: E402
+from tests.support import multinode_support as mns  # noqa: E402
 
 COUNTERS = {"iterAllocTotalBlocks": "allocTotalBlocks", "iterAllocNewBlocks": "allocNewBlocks",
             "iterReusedBlocks": "reusedBlocks", "iterMissedBlocks": "missedBlocks"}

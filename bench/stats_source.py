@@ -2,7 +2,7 @@
 GPU's rate (100 a second), with no engine, so that a row measures what readers cost the proxy and the ingress.
 
 The records are the real shape: built once by `aggregator.assembler.Assembler` from fake dp 2 x tp 2 ranks
-(tests/aggregator_support.py), then re-stamped (`iter`, `timestamp`) as they are emitted. The classes go to
+(tests/support/aggregator_support.py), then re-stamped (`iter`, `timestamp`) as they are emitted. The classes go to
 Ray's workers by value (this file is not an installed module).
 """
 

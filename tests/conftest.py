@@ -1,6 +1,12 @@
-"""Shared fixtures: one local Ray cluster per test session, sized for a 2-core machine."""
+"""Shared fixtures: one local Ray cluster per test session, sized for a 2-core machine; the tiers' markers.
+
+Tests live by tier: `unit/<package>/` (no Ray), `ray/` (the session's Ray cluster), `e2e/` (the Serve app on
+it), `multinode/` (a multi-node cluster of their own); `support/` holds what they share. A test's tier markers
+come from its directory (`make test` selects by them); a file adds only its own (`slow`, `gpu`, a timeout).
+"""
 
 import os
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -12,6 +18,17 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 settings.register_profile("ci", derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("dev", deadline=None)
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
+
+TESTS = Path(__file__).resolve().parent
+TIER_MARKS = {"e2e": ("e2e", "ray"), "ray": ("ray",), "multinode": ("multinode",)}
+
+
+def pytest_itemcollected(item):
+    """The tier's markers from the test's directory, before `-m` selects."""
+    tier = Path(str(item.fspath)).resolve().relative_to(TESTS).parts[0]
+    for name in TIER_MARKS.get(tier, ()):
+        item.add_marker(name)
 
 
 def _has_cuda() -> bool:
@@ -49,7 +66,8 @@ def ray_cluster():
     if not ray.is_initialized():
         ray.init(
             # always a cluster of its own: without an address ray.init() joins the cluster named in
-            # /tmp/ray/ray_current_cluster, which a multi-node cluster (tests/multinode_support.py, the chaos soak)
+            # /tmp/ray/ray_current_cluster, which a multi-node cluster (tests/support/multinode_support.py, the chaos
+            # soak)
             # on this machine writes
             address="local",
             num_cpus=8,
@@ -70,7 +88,7 @@ def ray_cluster():
 
 # the e2e tests' one Serve app: defined here once, since a fixture imported into several test modules is set up
 # once per module (three deployments of the same app)
-from tests.e2e_fixtures import serve_app  # noqa: E402, F401
+from tests.support.e2e_fixtures import serve_app  # noqa: E402, F401
 
 # the HTTP route tests' fake app (module-scoped: one uvicorn server per test module that asks for it)
-from tests.http_support import http, server  # noqa: E402, F401
+from tests.support.http_support import http, server  # noqa: E402, F401

@@ -12,7 +12,7 @@ Why Serve's handle does not do this already: its router retries a request only w
 that rejects it, or that is found dead or unavailable before it accepted: serve/_private/router.py,
 `route_and_send_request`, Ray 2.60), and Ray actor calls are at-most-once by default (`max_task_retries=0`,
 Ray's actor fault tolerance docs). Once a replica has accepted a call, its death reaches the caller as the
-call's error: the stream raises ActorDiedError (what tests/test_reliability_e2e.py sees when it kills the
+call's error: the stream raises ActorDiedError (what tests/e2e/test_reliability_e2e.py sees when it kills the
 replica's actor) or ActorUnavailableError (Serve's gRPC transport maps a broken channel to it). Serve's docs
 say nothing of retrying a started (streaming) request, and it could not resume one anyway: only the ingress
 knows which tokens the client already has.

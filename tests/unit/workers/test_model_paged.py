@@ -1,0 +1,201 @@
+"""The built-in model through the real kvcache: reuse on/off, suspend/offload/resume, batching, bad input."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.support.model_support import greedy, make_manager, step
+from workers.loader import load_model
+from workers.model import SeqInput
+from workers.model_setting import load_tokenizer
+from workers.sampling import sample
+from workers.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def builtin():
+    model, cfg = load_model(None, max_seq_len=256)
+    return model, cfg
+
+
+PROMPT = load_tokenizer(None).encode("The quick brown fox jumps over the lazy dog. " * 2)
+
+
+def test_builtin_model_shape(builtin):
+    model, cfg = builtin
+    assert cfg.num_layers == 4 and cfg.hidden_size == 128 and cfg.num_heads == 4 and cfg.num_kv_heads == 2
+    assert cfg.head_dim == 32 and cfg.qk_norm and cfg.vocab_size == load_tokenizer(None).vocab_size
+    assert [cfg.window_of_layer(i) for i in range(4)] == [None, 64, None, None]
+
+
+def test_builtin_model_is_deterministic_per_seed():
+    a, _ = load_model(None, seed=3)
+    b, _ = load_model(None, seed=3)
+    c, _ = load_model(None, seed=4)
+    wa, wb, wc = (m.model.layers[0].self_attn.q_proj.weight for m in (a, b, c))
+    assert torch.equal(wa, wb) and not torch.equal(wa, wc)
+
+
+def test_greedy_is_identical_with_block_reuse_on_and_off(builtin):
+    """Long enough (> window 64 + a few blocks) that the sliding layer's blocks go stale."""
+    model, cfg = builtin
+    off = make_manager(cfg, max_seq_len=256, reuse=False)
+    on = make_manager(cfg, max_seq_len=256, reuse=True)
+    want = greedy(model, off, PROMPT, 40, chunk=16)
+    first = greedy(model, on, PROMPT, 40, "first", chunk=16)
+    # the second run on the warm cache reuses the prompt's blocks (and the first run's generated ones)
+    kv = on.create_kv_cache("probe", PROMPT)
+    reused = kv.num_reused_tokens
+    kv.close()
+    second = greedy(model, on, PROMPT, 40, "second", chunk=16)
+    assert reused == len(PROMPT) - 1
+    assert first == want and second == want
+    assert len(set(want)) > 3  # not a degenerate constant output
+
+
+def test_suspended_and_offloaded_request_resumes_with_the_same_tokens(builtin):
+    model, cfg = builtin
+    ref = greedy(model, make_manager(cfg, max_seq_len=256, reuse=False), PROMPT, 30)
+
+    # primary holds ~36 blocks per life cycle: not enough for both requests, so A must go to the host tier
+    mgr = make_manager(cfg, max_seq_len=128, reuse=False, kv_cache_bytes=36 * 4 * cfg.kv_bytes_per_token(),
+                       host_cache_bytes=1 << 20)
+    mgr.get_iteration_stats()
+    kv = mgr.create_kv_cache("A", PROMPT)
+    assert kv.resume()
+    logits = step(model, mgr, kv, PROMPT)
+    params = SamplingParams(temperature=0)
+    out = []
+    for i in range(30):
+        t = sample(logits[None], [params], [None])[0]
+        out.append(t)
+        if i == 10:
+            kv.suspend()
+            other = mgr.create_kv_cache("B", list(range(100, 200)))
+            assert other.resume()
+            step(model, mgr, other, list(range(100, 200)))
+            other.close()
+            assert kv.resume()
+        if i < 29:
+            logits = step(model, mgr, kv, [t])
+    kv.close()
+    totals = {}
+    for bucket in mgr.get_iteration_stats().to_dict()["kvCacheIterationStats"].values():
+        for k in ("iterOffloadBlocks", "iterOnboardBlocks"):
+            totals[k] = totals.get(k, 0) + bucket[k]
+    assert totals["iterOffloadBlocks"] > 0 and totals["iterOnboardBlocks"] > 0, totals
+    assert out == ref
+
+
+def test_batched_forward_equals_separate_forwards(builtin):
+    model, cfg = builtin
+    prompts = [PROMPT[:30], PROMPT[5:50], PROMPT[:7]]
+    mgr = make_manager(cfg, max_seq_len=256, reuse=False)
+    alone = []
+    for i, p in enumerate(prompts):
+        kv = mgr.create_kv_cache(f"alone{i}", p)
+        assert kv.resume()
+        alone.append(step(model, mgr, kv, p))
+        kv.close()
+    kvs = [mgr.create_kv_cache(f"batch{i}", p) for i, p in enumerate(prompts)]
+    for kv, p in zip(kvs, prompts, strict=True):
+        assert kv.resume() and kv.resize(len(p))
+    batched = model([SeqInput(p, 0, kv) for p, kv in zip(prompts, kvs, strict=True)], mgr)
+    for a, b in zip(alone, batched, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_forward_rejects_bad_input(builtin):
+    model, cfg = builtin
+    mgr = make_manager(cfg, max_seq_len=256, reuse=False)
+    kv = mgr.create_kv_cache("bad", PROMPT)
+    assert kv.resume() and kv.resize(8)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        model([SeqInput([1, cfg.vocab_size], 0, kv)], mgr)
+    with pytest.raises(ValueError, match="start_pos 3 != the cache's history_length 0"):
+        model([SeqInput([1, 2], 3, kv)], mgr)
+    with pytest.raises(ValueError, match="capacity 8 < 9"):
+        model([SeqInput(list(range(9)), 0, kv)], mgr)
+    with pytest.raises(ValueError, match="no new tokens"):
+        model([SeqInput([], 0, kv)], mgr)
+    with pytest.raises(ValueError, match="at least one sequence"):
+        model([], mgr)
+    assert kv.history_length == 0  # nothing was committed
+
+
+def test_kv_cache_of_another_model_is_rejected(builtin):
+    model, cfg = builtin
+    other = cfg.with_windows([None] * 4)
+    from dataclasses import replace
+
+    mgr = make_manager(replace(other, num_kv_heads=4, num_heads=4), max_seq_len=256, reuse=False)
+    kv = mgr.create_kv_cache("x", [1, 2, 3])
+    assert kv.resume() and kv.resize(3)
+    with pytest.raises(RuntimeError, match="KV cache holds"):
+        model([SeqInput([1, 2, 3], 0, kv)], mgr)
+
+
+def test_decode_attention_in_place_equals_the_gather(builtin):
+    """The CPU kernel that reads the cache's blocks in place (workers/paged_kernels.py) against the gather +
+    SDPA path, on a decode batch of sequences of different lengths, one past the sliding layer's window (its
+    first blocks stale): the same logits, step after step. The kernel must build here (CI has a compiler)."""
+    from workers.paged_kernels import cpu_decode_kernel
+
+    assert cpu_decode_kernel() is not None
+    model, cfg = builtin
+    prompts = [PROMPT[:90], PROMPT[3:40], PROMPT[:9]]  # 90 + decode steps > window 64: stale blocks
+    logits = {}
+    for on in (True, False):
+        for layer in model.model.layers:
+            layer.self_attn.paged_kernel = on
+        mgr = make_manager(cfg, max_seq_len=256, reuse=False)
+        kvs = [mgr.create_kv_cache(f"r{i}", p) for i, p in enumerate(prompts)]
+        for kv, p in zip(kvs, prompts, strict=True):
+            step(model, mgr, kv, p)
+        runs = []
+        for n in range(6):
+            for kv in kvs:
+                assert kv.resize(kv.history_length + 1)
+            toks = [[(7 * n + i) % 200 + 1] for i in range(len(kvs))]
+            runs.append(torch.stack(model([SeqInput(t, kv.history_length, kv) for t, kv in zip(toks, kvs,
+                                                                                               strict=True)], mgr)))
+            for t, kv in zip(toks, kvs, strict=True):
+                kv.commit(t)
+        logits[on] = runs
+    for layer in model.model.layers:
+        layer.self_attn.paged_kernel = True
+    for a, b in zip(logits[True], logits[False], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("block,head_dim,kv_heads,group,seqs",
+                         [(16, 64, 3, 3, 5), (8, 64, 2, 2, 1), (32, 128, 2, 4, 3), (16, 48, 1, 1, 2)])
+def test_decode_kernel_equals_sdpa_over_a_block_table(block, head_dim, kv_heads, group, seqs):
+    """The kernel alone, on the shapes its fast paths take and those they leave to the plain loop (16-key tiles
+    need a block of a multiple of 16 tokens; registers hold a head of 64 or 128): each sequence's keys from a
+    first position inside its first block, its blocks scattered over a cache whose free slots hold NaN."""
+    from workers.paged_kernels import cpu_decode_kernel
+
+    kernel = cpu_decode_kernel()
+    assert kernel is not None
+    g = torch.Generator().manual_seed(block + head_dim + seqs)
+    width = 7
+    slots = seqs * width + 3
+    k_cache = torch.full((slots, block, kv_heads, head_dim), float("nan"))
+    v_cache = torch.full((slots, block, kv_heads, head_dim), float("nan"))
+    table = torch.randperm(slots, generator=g)[: seqs * width].view(seqs, width).contiguous()
+    lo = torch.randint(0, block, (seqs,), generator=g)
+    length = torch.randint(1, width * block - block, (seqs,), generator=g)
+    q = torch.randn(seqs, kv_heads * group, head_dim, generator=g)
+    for s in range(seqs):
+        for p in range(int(lo[s]), int(lo[s] + length[s])):
+            slot, off = table[s, p // block], p % block
+            k_cache[slot, off] = torch.randn(kv_heads, head_dim, generator=g)
+            v_cache[slot, off] = torch.randn(kv_heads, head_dim, generator=g)
+    out = kernel(q, k_cache, v_cache, table, lo, length, head_dim**-0.5)
+    for s in range(seqs):
+        keys = k_cache[table[s]].reshape(-1, kv_heads, head_dim)[lo[s] : lo[s] + length[s]].transpose(0, 1)
+        vals = v_cache[table[s]].reshape(-1, kv_heads, head_dim)[lo[s] : lo[s] + length[s]].transpose(0, 1)
+        ref = F.scaled_dot_product_attention(q[s][:, None, :], keys, vals, scale=head_dim**-0.5,
+                                             enable_gqa=group > 1)[:, 0, :]
+        torch.testing.assert_close(out[s], ref, atol=1e-5, rtol=1e-5)
