@@ -37,6 +37,7 @@ from engine.errors import (
     check_request,
     one_line,
 )
+from engine.messages import ADMITTED, Admitted
 from engine.placement import Router, group_load, waiting_blocks
 from engine.recovery import GroupRecovery, Orphans
 from engine.request_times import RequestRecorder
@@ -227,14 +228,14 @@ class Engine(GroupRecovery):
 
     async def generate(self, request_id: str | None, prompt_token_ids: list[int], params: SamplingParams,
                        cache_salt: str | None = None, announce: bool = False, drawn: int = 0,
-                       placed: tuple[int, int, int] | None = None) -> AsyncIterator[TokenEvent | None]:
-        """Stream a request's tokens; closing the iterator (the client went away) aborts it. `announce`: None
-        first, once the request is admitted (the ingress answers a refusal before any response starts).
+                       placed: tuple[int, int, int] | None = None) -> AsyncIterator[TokenEvent | Admitted]:
+        """Stream a request's tokens; closing the iterator (the client went away) aborts it. `announce`:
+        `ADMITTED` first, once the request is admitted (the ingress answers a refusal before any response starts).
         `drawn`, `placed`: as in `submit`."""
         req = self.submit(request_id, prompt_token_ids, params, cache_salt, drawn, placed)
         try:
             if announce:
-                yield None
+                yield ADMITTED
             async for ev in self.stream(req):
                 yield ev
         finally:

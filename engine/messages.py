@@ -1,5 +1,6 @@
 """The messages between the ingress, Serve's request router and the engine deployment (no torch, no Ray): what
-a generate call carries for the router to read and decide on (`Routed`)."""
+a generate call carries for the router to read and decide on (`Routed`), and the first thing its stream yields
+(`Admitted`)."""
 
 from __future__ import annotations
 
@@ -30,3 +31,12 @@ class Routed:
     def placed(self, engine_id: str) -> tuple[int, int, int] | None:
         """(dp group, blocks held, tokens reused in part past them) if the router chose a group of this engine."""
         return (self.dp, self.blocks, self.partial) if self.engine == engine_id and self.dp >= 0 else None
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A generate stream's first event: the engine took the request (a refusal raises instead), so the ingress
+    answers a refusal with its HTTP status before any response starts. Token events follow."""
+
+
+ADMITTED = Admitted()

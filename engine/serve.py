@@ -62,7 +62,7 @@ class KVFleetEngine:
 
     async def generate(self, request_id: str | None, prompt_token_ids: list[int], params: Any,
                        cache_salt: str | None = None, drawn: int = 0, routed: Any = None) -> AsyncIterator[Any]:
-        """None once the engine has admitted the request (so the ingress answers a refusal with its status
+        """`ADMITTED` once the engine has admitted the request (so the ingress answers a refusal with its status
         code, before any response starts), then its token events. `drawn`: the request is re-sent (Engine.submit).
         `routed`: what the deployment's request router read and decided (`Routed`): the dp group the fleet's
         `kv` router chose for this engine, if it did."""

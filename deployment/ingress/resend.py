@@ -5,7 +5,7 @@ replica died or cannot be reached, the request goes again over the handle (to wh
 to: the other replicas, or the one Serve starts in place of the only one) as prompt + tokens so far, with
 max_tokens less what was received and the sampler's draw count, so a seeded sampler draws what the dead replica
 would have (workers/sampling.py seeds per draw) and greedy decoding continues as it would have. The caller sees
-one stream: None once admitted, then every token exactly once, so the detokenizer and the stop strings never
+one stream: `ADMITTED` once admitted, then every token exactly once, so the detokenizer and the stop strings never
 see a gap or a repeat.
 
 Why Serve's handle does not do this already: its router retries a request only while routing it (a replica
@@ -36,6 +36,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from engine.backoff import backoff_s
 from engine.errors import RETRY_AFTER_DOWN_S, EngineError
+from engine.messages import ADMITTED
 
 logger = logging.getLogger("kvfleet.deployment")
 
@@ -44,7 +45,7 @@ logger = logging.getLogger("kvfleet.deployment")
 RESEND_BACKOFF_S = (0.05, 1.0)
 
 # send(request_id, prompt + tokens so far, params with what is left of max_tokens, draws done): the handle's
-# stream (an async iterator with `cancel()`) of None once admitted, then token events
+# stream (an async iterator with `cancel()`) of ADMITTED once admitted, then token events
 Send = Callable[[str | None, list[int], Any, int], AsyncIterator[Any]]
 
 
@@ -65,7 +66,7 @@ def with_seed(params: Any) -> Any:
 
 async def resending(send: Send, request_id: str | None, prompt: list[int], params: Any, admission_s: float,
                     resend_s: float, lost: Callable[[BaseException], bool] = replica_lost) -> AsyncIterator[Any]:
-    """None once a replica admitted the request, then its token events, re-sent while replicas die. The first
+    """`ADMITTED` once a replica admitted the request, then its token events, re-sent while replicas die. The first
     admission has `admission_s` (the ingress gives it `placement_timeout_s`, as a re-send: one rule for a
     request waiting for a replica); a request whose replica was lost after admitting it has `resend_s` from the
     loss to be admitted again, else EngineError (a 503)."""
@@ -84,7 +85,7 @@ async def resending(send: Send, request_id: str | None, prompt: list[int], param
             taken = True
             if not announced:
                 announced = True
-                yield None
+                yield ADMITTED
             async for ev in stream:
                 got.append(ev.token_id)
                 yield ev
@@ -107,7 +108,7 @@ async def resending(send: Send, request_id: str | None, prompt: list[int], param
 
 
 async def _admission(stream: Any, deadline: float, too_late: EngineError) -> None:
-    """Until a replica admitted the request (its stream's first event, None), at most until `deadline`."""
+    """Until a replica admitted the request (its stream's first event, `ADMITTED`), at most until `deadline`."""
     try:
         await asyncio.wait_for(anext(stream), max(0.0, deadline - time.monotonic()))
     except TimeoutError:

@@ -17,8 +17,8 @@ import time
 import httpx
 import pytest
 
-from tests.support import multinode_support as mns
 from tests.multinode.test_multinode import BODY, COUNTERS, SAMPLINGS
+from tests.support import multinode_support as mns
 from tests.support.e2e_fixtures import summed_counters
 from tests.support.http_support import all_stats
 

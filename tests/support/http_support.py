@@ -19,6 +19,7 @@ from deployment.ingress.stats.mirror import StatsMirror
 from deployment.settings import Settings
 from engine.errors import EngineError, Overloaded, RequestError, RequestFailed, check_request
 from engine.kv_stream import KVEventStream
+from engine.messages import ADMITTED
 from workers.tokenizer import ByteTokenizer
 
 EOS = ByteTokenizer.eos_token_id
@@ -82,7 +83,7 @@ class FakeEngine:
             if "UNAVAILABLE" in prompt:
                 raise EngineError("no dp group is up: group 0: rank 0 is gone", 5.0)
             if "HOLD" in prompt:
-                yield None
+                yield ADMITTED
                 await asyncio.to_thread(self.hold.wait, 30)
             for i in range(params.max_tokens):
                 if "SLOW" in prompt:

@@ -27,6 +27,7 @@ from deployment.ingress.resend import with_seed
 from deployment.ingress.sse import SSE_EVENT, SSE_HEADERS, format_comment, format_event, last_event_id
 from deployment.settings import Settings
 from engine.errors import RequestError
+from engine.messages import Admitted
 
 logger = logging.getLogger("kvfleet.deployment")
 
@@ -45,7 +46,7 @@ class EngineProtocol(Protocol):
     async def validate(self, prompt_token_ids: list[int], params: Any) -> None: ...
     def generate(self, request_id: str | None, prompt_token_ids: list[int], params: Any,
                  cache_salt: str | None = None) -> AsyncGenerator[Any, None]:
-        """Token events; an engine behind a handle yields None first, once it has admitted the request."""
+        """Token events; an engine behind a handle yields `ADMITTED` first, once it has admitted the request."""
     async def health(self) -> dict[str, Any]: ...
 
 
@@ -59,8 +60,9 @@ async def _admitted(events: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, No
     except Exception as exc:
         await events.aclose()
         raise engine_error(exc) from None
-    # the engine's marker is None: its tokens follow in `events` itself, with no generator between (per token)
-    return events if first is None else _chain(first, events)
+    # the engine's marker: its tokens follow in `events` itself, with no generator between (per token); a stream
+    # that ended before any event is empty
+    return events if first is None or isinstance(first, Admitted) else _chain(first, events)
 
 
 async def _chain(first: Any, events: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import ray
 
 from deployment.router.fleet_view import SENT_S, FleetFollower, FleetView, Routed, Sent, place
+from engine.messages import ADMITTED
 from kvcache.events import prompt_keys
 from tests.support.engine_harness import make_engine, settled, until
 from workers.sampling_params import SamplingParams
@@ -322,7 +323,7 @@ def test_with_no_group_up_anywhere_a_request_goes_to_a_replica_and_waits_in_its_
         eng = fleet.engines[tried[0].replica_id.unique_id]
         assert routed.placed(eng.config.engine_id) is None  # the engine places it itself, once a group is up
         stream = eng.generate(None, routed.token_ids, SamplingParams(max_tokens=3, temperature=0.0), announce=True)
-        assert await anext(stream) is None  # admitted at once: the ingress stops waiting
+        assert await anext(stream) is ADMITTED  # admitted at once: the ingress stops waiting
         assert len(eng._orphans) == 2  # it waits in the engine, with the request that took the group down
         gate.set()
         assert len([ev async for ev in stream]) == 3
@@ -413,7 +414,7 @@ def test_an_engine_replica_forgets_the_least_recently_updated_router_first():
         config = SimpleNamespace(engine_id="e-0")
 
         async def generate(self, *args, **kwargs):
-            yield None
+            yield ADMITTED
 
     class Replica(KVFleetEngine.func_or_class):
         def __del__(self) -> None:  # no engine to shut down

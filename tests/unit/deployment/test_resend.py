@@ -12,6 +12,7 @@ import ray
 from deployment.ingress import resend
 from deployment.ingress.engine_client import EngineClient
 from engine.errors import EngineError, Overloaded, RequestError
+from engine.messages import ADMITTED
 from tests.support.engine_harness import generate, make_engine
 from workers.sampling_params import SamplingParams
 from workers.tokenizer import ByteTokenizer
@@ -27,7 +28,7 @@ def run(coro):
 
 
 class Stream:
-    """What the handle's streaming call returns: None once admitted, token events, `cancel()`. With `die_after`,
+    """What the handle's streaming call returns: ADMITTED once admitted, token events, `cancel()`. With `die_after`,
     the replica dies (ActorDiedError) after that many token events; `fail` raises instead of admitting."""
 
     def __init__(self, events, die_after: int | None = None, fail: BaseException | None = None) -> None:
@@ -41,7 +42,7 @@ class Stream:
         if self._fail is not None:
             raise self._fail
         ev = await anext(self._events)
-        if ev is not None and self._left is not None:
+        if ev is not ADMITTED and self._left is not None:
             if self._left == 0:
                 raise ray.exceptions.ActorDiedError()
             self._left -= 1
@@ -82,7 +83,7 @@ def client(handle: Handle, resend_s: float = 5.0) -> EngineClient:
 
 async def tokens(events) -> list[int]:
     first = await anext(events)
-    assert first is None  # admitted, once, however many replicas it took
+    assert first is ADMITTED  # admitted, once, however many replicas it took
     return [ev.token_id async for ev in events]
 
 
@@ -147,7 +148,7 @@ def test_a_lost_request_that_no_replica_takes_in_time_is_a_503(monkeypatch):
 
             async def _wait(self):
                 await never.wait()
-                yield None
+                yield ADMITTED
 
         handle = Handle([await make_engine(), ray.exceptions.ActorDiedError()], die_after={0: 2})
         events = client(handle, resend_s=0.3).generate("cmpl-5", PROMPT, SamplingParams(**GREEDY))
