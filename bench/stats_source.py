@@ -19,6 +19,7 @@ from ray.serve import Application
 from aggregator.assembler import Assembler, iso_timestamp
 from deployment.ingress.serve import KVFleetIngress
 from deployment.settings import Settings
+from engine.messages import EngineInfo
 
 TEMPLATES = 50  # distinct records cycled through, so each emitted record's text differs like a real one's
 
@@ -95,9 +96,9 @@ class SimulatedEngine:
     def __init__(self, rate: float, templates: list[dict]) -> None:
         self.stats = SimulatedStats.remote(rate, templates)
 
-    async def info(self) -> dict[str, Any]:
+    async def info(self) -> EngineInfo:
         await self.stats.start.remote()
-        return {"max_model_len": 256, "max_seq_len": 256, "vocab_size": 512, "aggregator": self.stats}
+        return EngineInfo(256, 256, 512, self.stats)
 
     async def health(self) -> dict[str, Any]:
         return {"simulated": True}

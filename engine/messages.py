@@ -1,10 +1,11 @@
 """The messages between the ingress, Serve's request router and the engine deployment (no torch, no Ray): what
-a generate call carries for the router to read and decide on (`Routed`), and the first thing its stream yields
-(`Admitted`)."""
+a generate call carries for the router to read and decide on (`Routed`), the first thing its stream yields
+(`Admitted`), and what the engine tells the ingress once, at its start (`EngineInfo`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -40,3 +41,14 @@ class Admitted:
 
 
 ADMITTED = Admitted()
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """The engine's limits, which the ingress checks a request against before sending it (no round trip), and
+    its stats aggregator's actor handle (the ingress's stats view follows it)."""
+
+    max_model_len: int
+    max_seq_len: int
+    vocab_size: int
+    aggregator: Any = None

@@ -14,7 +14,7 @@ from typing import Any
 from ray import serve
 
 from engine.errors import EngineError
-from engine.messages import Routed
+from engine.messages import EngineInfo, Routed
 
 logger = logging.getLogger("kvfleet.deployment")
 
@@ -55,10 +55,9 @@ class KVFleetEngine:
         logger.info("engine %s started: dp=%d tp=%d model=%s", self._engine.config.engine_id, settings.dp, settings.tp,
                     settings.model or "built-in")
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> EngineInfo:
         e = self._engine
-        return {"max_model_len": e.max_model_len, "max_seq_len": e.max_seq_len, "vocab_size": e.vocab_size,
-                "aggregator": e.aggregator}
+        return EngineInfo(e.max_model_len, e.max_seq_len, e.vocab_size, e.aggregator)
 
     async def generate(self, request_id: str | None, prompt_token_ids: list[int], params: Any,
                        cache_salt: str | None = None, drawn: int = 0, routed: Any = None) -> AsyncIterator[Any]:

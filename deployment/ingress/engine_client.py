@@ -9,7 +9,7 @@ from ray.serve.handle import DeploymentHandle
 from deployment.ingress.resend import resending
 from deployment.router.fleet_view import FleetFollower, fleet_view
 from engine.errors import RETRY_AFTER_DOWN_S, EngineError, RequestError, RequestFailed, check_request
-from engine.messages import Routed
+from engine.messages import EngineInfo, Routed
 
 _ENGINE_ERRORS = (RequestError, EngineError, RequestFailed)
 
@@ -18,7 +18,7 @@ class EngineClient:
     """The engine as the routes see it, across the engine deployment's handle: the same errors as the
     in-process Engine (never a Ray traceback), and a stream that aborts the request when it is closed."""
 
-    def __init__(self, handle: DeploymentHandle, tokenizer: Any, info: dict[str, Any], resend_s: float,
+    def __init__(self, handle: DeploymentHandle, tokenizer: Any, info: EngineInfo, resend_s: float,
                  routing: str = "pow2", engines: list[str] | None = None) -> None:
         self._h = handle
         self.engines = engines or []  # the fleet's engine ids (several: /kv_events needs one named)
@@ -30,9 +30,9 @@ class EngineClient:
         self.resend_s = resend_s  # how long a request that lost its replica waits for one to take it again
         self._stream = handle.options(stream=True)
         self.tokenizer = tokenizer
-        self.max_model_len = info["max_model_len"]
-        self.max_seq_len = info["max_seq_len"]
-        self.vocab_size = info["vocab_size"]
+        self.max_model_len = info.max_model_len
+        self.max_seq_len = info.max_seq_len
+        self.vocab_size = info.vocab_size
 
     async def validate(self, prompt_token_ids: list[int], params: Any) -> None:
         """The engine's own rules with the limits it advertised, here: no round trip before the stream (the

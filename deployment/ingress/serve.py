@@ -33,7 +33,7 @@ class KVFleetIngress:
         info = await engine.info.remote()  # waits for the engine's replica to be up
         self._engine = EngineClient(engine, load_tokenizer(settings.model or None), info,
                                     settings.placement_timeout_s, settings.fleet_policy, settings.engine_ids())
-        self._stats = fleet_stats(settings, info["aggregator"])
+        self._stats = fleet_stats(settings, info.aggregator)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return create_api(self._engine, self._stats, self._settings)

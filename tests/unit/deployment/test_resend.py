@@ -12,7 +12,7 @@ import ray
 from deployment.ingress import resend
 from deployment.ingress.engine_client import EngineClient
 from engine.errors import EngineError, Overloaded, RequestError
-from engine.messages import ADMITTED
+from engine.messages import ADMITTED, EngineInfo
 from tests.support.engine_harness import generate, make_engine
 from workers.sampling_params import SamplingParams
 from workers.tokenizer import ByteTokenizer
@@ -77,7 +77,7 @@ class Handle:
 
 
 def client(handle: Handle, resend_s: float = 5.0) -> EngineClient:
-    return EngineClient(handle, ByteTokenizer(), {"max_model_len": 256, "max_seq_len": 256, "vocab_size": 256},
+    return EngineClient(handle, ByteTokenizer(), EngineInfo(256, 256, 256),
                         resend_s)
 
 
@@ -245,7 +245,7 @@ def test_rays_prefix_router_reads_the_prompt_text_from_what_the_ingress_sends():
     handle = Capture()
     handle.generate = handle
     prompt = ByteTokenizer().encode("You are a helpful assistant. Tenant 7 asks:")
-    eng = EngineClient(handle, ByteTokenizer(), {"max_model_len": 256, "max_seq_len": 256, "vocab_size": 256},
+    eng = EngineClient(handle, ByteTokenizer(), EngineInfo(256, 256, 256),
                        5.0, routing="prefix_affinity")
 
     async def main():
