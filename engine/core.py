@@ -37,7 +37,7 @@ from engine.errors import (
     check_request,
     one_line,
 )
-from engine.messages import ADMITTED, Admitted
+from engine.messages import ADMITTED, Admitted, GroupState
 from engine.placement import Router, group_load, waiting_blocks
 from engine.recovery import GroupRecovery, Orphans
 from engine.request_times import RequestRecorder
@@ -308,13 +308,11 @@ class Engine(GroupRecovery):
         """Long poll of the /kv_events stream (engine/kv_stream.py): (id, vLLM-shaped event) after `after`."""
         return await self.router.stream.wait(after, timeout_s)
 
-    def groups_state(self) -> list[dict[str, int]]:
-        """What the fleet's router weighs besides the blocks, per dp group: up, its load in tokens (as the
-        `kv` policy counts it) and its room in blocks (free as its rank last reported, less what its waiting
-        requests will take)."""
+    def groups_state(self) -> list[GroupState]:
+        """What the fleet's router weighs besides the blocks, per dp group (engine/messages.py)."""
         B = self.config.cache.tokens_per_block
-        return [{"up": int(g.down is None and not g.stays_down), "load": group_load(g),
-                 "room": self.router.free[dp] - waiting_blocks(g, B)} for dp, g in enumerate(self._groups)]
+        return [GroupState(g.down is None and not g.stays_down, group_load(g),
+                           self.router.free[dp] - waiting_blocks(g, B)) for dp, g in enumerate(self._groups)]
 
     async def health(self) -> dict[str, Any]:
         """The engine's state; raises EngineError (an HTTP 503) while no dp group serves."""

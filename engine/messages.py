@@ -1,10 +1,11 @@
 """The messages between the ingress, Serve's request router and the engine deployment (no torch, no Ray): what
 a generate call carries for the router to read and decide on (`Routed`), the first thing its stream yields
-(`Admitted`), and what the engine tells the ingress once, at its start (`EngineInfo`)."""
+(`Admitted`), what the engine tells the ingress once, at its start (`EngineInfo`), and its answer to the fleet
+router's long poll (`FollowReport`, with each dp group's `GroupState`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -52,3 +53,28 @@ class EngineInfo:
     max_seq_len: int
     vocab_size: int
     aggregator: Any = None
+
+
+@dataclass(frozen=True)
+class GroupState:
+    """What the fleet's router weighs besides the blocks, of one dp group: whether it is up, its load in tokens
+    (as the `kv` policy counts it) and its room in blocks (free as its rank last reported, less what its waiting
+    requests will take)."""
+
+    up: bool
+    load: int
+    room: int
+
+
+@dataclass
+class FollowReport:
+    """An engine replica's answer to the fleet router's long poll (`KVFleetEngine.follow`): its KV events after
+    the id asked, as (id, vLLM-shaped event); its groups' state; the newest ticket of each router it admitted.
+    Only `replica` is set when the call reached another replica than the one asked."""
+
+    replica: str
+    engine: str | None = None
+    block_size: int = 0
+    events: list[tuple[str, dict]] = field(default_factory=list)
+    groups: list[GroupState] = field(default_factory=list)
+    tickets: dict[str, int] = field(default_factory=dict)

@@ -14,7 +14,7 @@ from typing import Any
 from ray import serve
 
 from engine.errors import EngineError
-from engine.messages import EngineInfo, Routed
+from engine.messages import EngineInfo, FollowReport, Routed
 
 logger = logging.getLogger("kvfleet.deployment")
 
@@ -89,17 +89,16 @@ class KVFleetEngine:
                               "is not up: retry")
         return await self._engine.kv_events(after, timeout_s)
 
-    async def follow(self, after: str | None, timeout_s: float, replica: str | None = None) -> dict[str, Any]:
+    async def follow(self, after: str | None, timeout_s: float, replica: str | None = None) -> FollowReport:
         """The fleet's `kv` router's long poll (deployment/router/fleet_view.py): this engine's KV events after
         `after`, then its groups' load and room. `replica`: the replica the router sends the call to."""
         e = self._engine
         me = serve.get_replica_context().replica_id.unique_id
         if replica is not None and replica != me:  # routed here while that replica is not in the router's set
-            return {"replica": me}
+            return FollowReport(me)
         events = await e.kv_events(after, timeout_s)
         tickets = dict(self._tickets)  # a copy: Serve may pickle the answer on another thread while generate runs
-        return {"replica": me, "engine": e.config.engine_id, "block_size": e.config.cache.tokens_per_block,
-                "events": events, "groups": e.groups_state(), "tickets": tickets}
+        return FollowReport(me, e.config.engine_id, e.config.cache.tokens_per_block, events, e.groups_state(), tickets)
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Serve's routing stats of this replica: its engine id (what a router, or an operator, can read)."""

@@ -45,7 +45,7 @@ from typing import Any
 
 from engine.kv_index import KVIndex
 from engine.kv_stream import index_events
-from engine.messages import Routed
+from engine.messages import FollowReport, GroupState, Routed
 from engine.placement import kv_rank
 from kvcache.events import prompt_keys
 
@@ -78,12 +78,12 @@ class ReplicaView:
     engine: str
     block_size: int
     index: KVIndex
-    groups: list[dict[str, int]]
+    groups: list[GroupState]
     sent: list[Sent] = field(default_factory=list)
     admitted: int = -1  # the newest of this router's tickets the replica reported admitted
     last_id: str | None = None
 
-    def report(self, groups: list[dict[str, int]], admitted: int) -> None:
+    def report(self, groups: list[GroupState], admitted: int) -> None:
         """The replica's groups now; `admitted`: the newest of this router's tickets it has admitted."""
         self.groups, self.admitted = groups, admitted
         self.prune(time.monotonic())
@@ -212,11 +212,11 @@ def _best_group(v: ReplicaView, weights: tuple[float, float, float, float], keys
     need = -(-tokens // B)
     choice = None
     for dp, g in enumerate(v.groups):
-        if not g["up"]:
+        if not g.up:
             continue
         hits = v.prefix(dp, keys)
         sent_tokens, sent_blocks = v.pending(dp)
-        load, room = g["load"] + sent_tokens, g["room"] - sent_blocks
+        load, room = g.load + sent_tokens, g.room - sent_blocks
         rank = kv_rank(weights, B, hits, load, need, room, len(v.index.blocks[dp])) + (order, dp)
         if choice is None or rank < choice[0]:
             choice = (rank, sum(hits), dp)
@@ -306,27 +306,26 @@ class FleetFollower:
                 after = None
                 await asyncio.sleep(RETRY_S)
                 continue
-            if got.get("replica", rid) != rid:  # another replica answered: this one is not (or no longer) there
+            if got.replica != rid:  # another replica answered: this one is not (or no longer) there
                 await asyncio.sleep(RETRY_S)
                 continue
             after = self._apply(rid, got)
 
-    def _apply(self, rid: str, got: dict[str, Any]) -> str | None:
+    def _apply(self, rid: str, got: FollowReport) -> str | None:
         """One follow answer into the replica's view; the id to resume after (None: ask for a snapshot)."""
         v = self._view.replicas.get(rid)
-        if v is None or v.engine != got["engine"]:
+        if v is None or v.engine != got.engine:
             if rid not in self._view.live:
                 return None
-            v = ReplicaView(got["engine"], got["block_size"], KVIndex(len(got["groups"]), 1 << 30, got["block_size"]),
-                            got["groups"])
+            v = ReplicaView(got.engine, got.block_size, KVIndex(len(got.groups), 1 << 30, got.block_size), got.groups)
             self._view.replicas[rid] = v
         ok = True
-        for eid, event in got["events"]:
+        for eid, event in got.events:
             try:
                 dp, events = index_events(event)
                 ok = v.index.apply(dp, events) and ok
             except (KeyError, ValueError, IndexError, TypeError):  # not an event this stream sends: resync
                 ok = False
             v.last_id = eid
-        v.report(got["groups"], got.get("tickets", {}).get(self._view.id, -1))
+        v.report(got.groups, got.tickets.get(self._view.id, -1))
         return v.last_id if ok else None

@@ -3,13 +3,14 @@ follower is fed what each engine's `follow` answers, and the router's choice goe
 `placed`, as the Serve deployment does it (engine/serve.py)."""
 
 import asyncio
+import dataclasses
 import time
 from types import SimpleNamespace
 
 import ray
 
 from deployment.router.fleet_view import SENT_S, FleetFollower, FleetView, Routed, Sent, place
-from engine.messages import ADMITTED
+from engine.messages import ADMITTED, FollowReport
 from kvcache.events import prompt_keys
 from tests.support.engine_harness import make_engine, settled, until
 from workers.sampling_params import SamplingParams
@@ -44,9 +45,9 @@ class Fleet:
         """One follow answer per replica, as KVFleetEngine.follow gives it."""
         for rid, eng in self.engines.items():
             await settled(eng)
-            got = {"engine": eng.config.engine_id, "block_size": eng.config.cache.tokens_per_block,
-                   "events": await eng.kv_events(self.after[rid], 0.0), "groups": eng.groups_state(),
-                   "tickets": {self.view.id: self.admitted.get(rid, -1)}}
+            got = FollowReport(rid, eng.config.engine_id, eng.config.cache.tokens_per_block,
+                               await eng.kv_events(self.after[rid], 0.0), eng.groups_state(),
+                               {self.view.id: self.admitted.get(rid, -1)})
             self.after[rid] = self.follower._apply(rid, got)
 
     async def ask(self, prompt, salt=None, max_tokens=3):
@@ -213,15 +214,15 @@ def test_an_event_that_does_not_fit_asks_for_a_snapshot():
         rid, _ = await fleet.ask(TENANT_A + [200])
         view = fleet.view.replicas[rid]
         bogus = {"type": "BlockRemoved", "block_hashes": [12345], "medium": "GPU", "dp_rank": 0}
-        assert fleet.follower._apply(rid, {"engine": view.engine, "block_size": B, "events": [("x-1", bogus)],
-                                           "groups": view.groups}) is None  # resume from a snapshot
+        assert fleet.follower._apply(rid, FollowReport(rid, view.engine, B, [("x-1", bogus)],
+                                                       view.groups)) is None  # resume from a snapshot
         assert view.index.resync[0]
         fleet.after[rid] = None
         await fleet.sync()
         assert view.index.blocks == fleet.engines[rid].router.index.blocks and not view.index.resync[0]
         malformed = {"type": "BlockShuffled", "dp_rank": 0}
-        assert fleet.follower._apply(rid, {"engine": view.engine, "block_size": B, "events": [("x-2", malformed)],
-                                           "groups": view.groups}) is None
+        assert fleet.follower._apply(rid, FollowReport(rid, view.engine, B, [("x-2", malformed)],
+                                                       view.groups)) is None
 
     run(main())
 
@@ -313,7 +314,7 @@ def test_with_no_group_up_anywhere_a_request_goes_to_a_replica_and_waits_in_its_
     async def main():
         fleet = await two_engines()
         gate, waiting = await groups_down(fleet)
-        assert all(not g["up"] for v in fleet.view.replicas.values() for g in v.groups)
+        assert all(not g.up for v in fleet.view.replicas.values() for g in v.groups)
         routed = Routed(token_ids=TENANT_A + [200], max_tokens=3)
         request = pending(routed)
         tried = await serves_first_rank(kv_router(fleet), request, fleet.replicas)
@@ -337,7 +338,7 @@ def test_replicas_with_no_group_up_rank_after_every_other():
         fleet = await two_engines()
         down = fleet.replicas[0].replica_id.unique_id
         view = fleet.view.replicas[down]
-        view.report([{**g, "up": 0} for g in view.groups], view.admitted)
+        view.report([dataclasses.replace(g, up=False) for g in view.groups], view.admitted)
         fresh = replica("r-new")  # live, not followed yet
         fleet.view.set_live(fleet.view.live | {"r-new"})
         routed = Routed(token_ids=TENANT_A + [200], max_tokens=3)
