@@ -26,18 +26,13 @@ from kvcache.events import partial_reuse_worth, reuse_table
 from workers.loader import kv_cache_config, load_model
 from workers.model import SeqInput
 from workers.paged_kernels import cpu_decode_kernel
-from workers.parallel import TPGroup, free_port, group_min, init_tp_group, node_ip
+from workers.parallel import TPGroup, free_port, group_min, init_tp_group, node_ip, set_cpu_threads
 from workers.sampling import make_generator, sample
 from workers.step import NewRequest, RankSpec, StepPlan, StepResult, Work
 
 log = logging.getLogger("kvfleet.worker")
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# a rank whose last step was shorter keeps its own threads when it may take more (StepPlan.threads): the
-# engine's, aggregator's and HTTP processes need the node's cores more than a step that short gains from them
-# (engine_bench's tiny model: 12 ms steps, 0.6x the tokens/s on two threads; SmolLM2 alone: ~80 ms, 0.62x
-# the time per token on two)
-SHARE_CORES_MIN_S = 0.03
 
 
 def build_kv_cache(spec: RankSpec, cfg: Any, device: str, dtype: torch.dtype, tp_group: TPGroup) -> KVCacheManager:
@@ -181,7 +176,7 @@ class RankWorker:
         step goes on for the others."""
         t0 = time.perf_counter()
         if self.device == "cpu":
-            self._set_threads(plan.threads if plan.threads and self.last_step_s >= SHARE_CORES_MIN_S else 0)
+            set_cpu_threads(plan.threads, self.spec.num_threads, self.last_step_s)
         failed: dict[str, str] = {}
         self._close(plan.close)
         recording = plan.record and self.spec.cache.enable_stats
@@ -245,12 +240,6 @@ class RankWorker:
             if w.append is not None:
                 self.reqs[w.request_id].tokens.append(w.append)
         return order
-
-    def _set_threads(self, threads: int) -> None:
-        """`threads` for this step's CPU work, or 0 for the rank's own."""
-        threads = threads or max(1, self.spec.num_threads)
-        if threads != torch.get_num_threads():
-            torch.set_num_threads(threads)
 
     def _forward(self, runs: list, failed: dict[str, str]) -> list[torch.Tensor] | None:
         """The batch's logits; None when it raised (no way to tell whose input broke it: all of it fails)."""
