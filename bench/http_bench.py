@@ -233,13 +233,15 @@ async def completion_overhead(url: str, app_name: str | None, n: int = 20) -> di
     if app_name is not None:
         from ray import serve
 
+        from engine.messages import GenerateRequest
         from workers.sampling_params import SamplingParams
 
         handle = serve.get_deployment_handle("KVFleetEngine", app_name).options(stream=True)
         ids = list(body["prompt"].encode())
         for _ in range(n):
             t0 = time.perf_counter()
-            async for _ev in handle.generate.remote(None, ids, SamplingParams(max_tokens=1, temperature=0.0)):
+            one = GenerateRequest(ids, SamplingParams(max_tokens=1, temperature=0.0))
+            async for _ev in handle.generate.remote(one):
                 pass
             handle_lat.append(time.perf_counter() - t0)
     return {"http_p50_ms": 1e3 * _pct(http_lat, 0.5), "engine_handle_p50_ms": 1e3 * _pct(handle_lat, 0.5)}

@@ -39,9 +39,9 @@ def check_model_setting(settings: Settings) -> None:
 
 # the routers `fleet_routing` names: Serve's default, and Ray Serve LLM's prefix tree over what it routed (it
 # scans the handle call's positional arguments for the first with a `prompt` or `messages` attribute, and reads
-# the text there: here the `Routed` that EngineClient.generate passes last; none raises). The latter by its own
-# module: its public re-export, ray.serve.llm.request_router, imports Ray Serve LLM's protocol models, which
-# need vLLM or SGLang installed
+# the text there: here the `GenerateRequest` that EngineClient.generate passes, whose `prompt` it is; none
+# raises). The latter by its own module: its public re-export, ray.serve.llm.request_router, imports Ray Serve
+# LLM's protocol models, which need vLLM or SGLang installed
 FLEET_ROUTERS = {"kv": "deployment.router.request_router:KVFleetRouter",
                  "pow2": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",
                  "prefix_affinity": "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:"

@@ -17,7 +17,7 @@ Modules, lowest first:
   (`GroupRecovery`), and the requests that wait while no group is up.
 - `stats_channel`: the engine's end of the stats channel: iterations to the aggregator until acknowledged.
 - `core`: `Engine`, the step loop over dp groups.
-- `messages`: what a generate call carries from the ingress through Serve's request router (`Routed`).
+- `messages`: what a generate call carries from the ingress through Serve's request router (`GenerateRequest`).
 - `serve`: `KVFleetEngine`, the engine's Serve deployment around `Engine` (the only module here that imports
   Serve).
 """

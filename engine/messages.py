@@ -1,5 +1,5 @@
 """The messages between the ingress, Serve's request router and the engine deployment (no torch, no Ray): what
-a generate call carries for the router to read and decide on (`Routed`), the first thing its stream yields
+a generate call carries, which the router reads and decides on (`GenerateRequest`), the first thing its stream yields
 (`Admitted`), what the engine tells the ingress once, at its start (`EngineInfo`), and its answer to the fleet
 router's long poll (`FollowReport`, with each dp group's `GroupState`)."""
 
@@ -10,25 +10,34 @@ from typing import Any
 
 
 @dataclass
-class Routed:
-    """What the engine deployment's request router reads of a generate call, and what it decided.
+class GenerateRequest:
+    """One generate call of the ingress to an engine replica (`KVFleetEngine.generate`), and what the engine
+    deployment's request router reads of it and decides on: the decision travels with the call.
 
-    `prompt`: Ray Serve LLM's PrefixCacheAffinityRouter takes the text of a `prompt` attribute of any
-    positional argument (the prompt as the engine sees it, a chat's templated text). `token_ids`, `cache_salt`,
-    `max_tokens`: what `KVFleetRouter` keys and weighs. It writes `engine`, `dp`, `blocks` (the prompt blocks
-    the group holds), `partial` (the prompt tokens past them its rank will reuse in part) and its ticket before
-    Serve sends the call, so they travel with it."""
+    `token_ids`: the prompt (on a re-send, the prompt and the tokens already received); `params`: its
+    `workers.sampling_params.SamplingParams` (on a re-send, `max_tokens` less those); `request_id` (None: the
+    engine names it); `cache_salt`; `drawn`: tokens already sampled (Engine.submit). `prompt`: the text Ray Serve
+    LLM's PrefixCacheAffinityRouter reads (a `prompt` attribute of any positional argument: a chat's templated
+    text), set only for it. `KVFleetRouter` keys and weighs `token_ids`, `cache_salt` and `max_tokens`, and writes
+    `engine`, `dp`, `blocks` (the prompt blocks the group holds), `partial` (the prompt tokens past them its rank
+    will reuse in part) and its ticket before Serve sends the call."""
 
-    prompt: str = ""
-    token_ids: list[int] | None = None
+    token_ids: list[int]
+    params: Any = None
+    request_id: str | None = None
     cache_salt: str | None = None
-    max_tokens: int = 0
+    drawn: int = 0
+    prompt: str = ""
     engine: str | None = None
     dp: int = -1
     blocks: int = 0
     partial: int = 0
     router: str = ""  # the deciding router's view id, and its ticket for this request (ReplicaView.report)
     ticket: int = -1
+
+    @property
+    def max_tokens(self) -> int:
+        return self.params.max_tokens if self.params is not None else 0
 
     def placed(self, engine_id: str) -> tuple[int, int, int] | None:
         """(dp group, blocks held, tokens reused in part past them) if the router chose a group of this engine."""

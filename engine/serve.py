@@ -14,7 +14,7 @@ from typing import Any
 from ray import serve
 
 from engine.errors import EngineError
-from engine.messages import EngineInfo, FollowReport, Routed
+from engine.messages import EngineInfo, FollowReport, GenerateRequest
 
 logger = logging.getLogger("kvfleet.deployment")
 
@@ -59,18 +59,16 @@ class KVFleetEngine:
         e = self._engine
         return EngineInfo(e.max_model_len, e.max_seq_len, e.vocab_size, e.aggregator)
 
-    async def generate(self, request_id: str | None, prompt_token_ids: list[int], params: Any,
-                       cache_salt: str | None = None, drawn: int = 0, routed: Any = None) -> AsyncIterator[Any]:
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[Any]:
         """`ADMITTED` once the engine has admitted the request (so the ingress answers a refusal with its status
-        code, before any response starts), then its token events. `drawn`: the request is re-sent (Engine.submit).
-        `routed`: what the deployment's request router read and decided (`Routed`): the dp group the fleet's
-        `kv` router chose for this engine, if it did."""
-        placed = routed.placed(self._engine.config.engine_id) if isinstance(routed, Routed) else None
-        events = self._engine.generate(request_id, prompt_token_ids, params, cache_salt, announce=True,
-                                       drawn=drawn, placed=placed)
+        code, before any response starts), then its token events. With the dp group the fleet's `kv` router
+        chose for this engine on `req`, if it did."""
+        placed = req.placed(self._engine.config.engine_id)
+        events = self._engine.generate(req.request_id, req.token_ids, req.params, req.cache_salt, announce=True,
+                                       drawn=req.drawn, placed=placed)
         if placed is not None:  # from the next report on, the router finds it in this engine's load and room
             # popped and put back: the dict's order is the routers' last update, the first one the stalest
-            self._tickets[routed.router] = max(routed.ticket, self._tickets.pop(routed.router, -1))
+            self._tickets[req.router] = max(req.ticket, self._tickets.pop(req.router, -1))
             if len(self._tickets) > MAX_ROUTERS:  # the longest silent: an ingress replica long gone, likely
                 self._tickets.pop(next(iter(self._tickets)))
         async with contextlib.aclosing(events):  # closed when this stream is: the engine aborts the request then

@@ -9,7 +9,7 @@ from ray.serve.handle import DeploymentHandle
 from deployment.ingress.resend import resending
 from deployment.router.fleet_view import FleetFollower, fleet_view
 from engine.errors import RETRY_AFTER_DOWN_S, EngineError, RequestError, RequestFailed, check_request
-from engine.messages import EngineInfo, Routed
+from engine.messages import EngineInfo, GenerateRequest
 
 _ENGINE_ERRORS = (RequestError, EngineError, RequestFailed)
 
@@ -41,19 +41,16 @@ class EngineClient:
 
     async def generate(self, request_id: str | None, prompt_token_ids: list[int], params: Any,
                        cache_salt: str | None = None) -> AsyncIterator[Any]:
-        """None once the engine admitted the request, then its token events. A request waits for a replica to
+        """`ADMITTED` once the engine admitted the request, then its token events. A request waits for a replica to
         admit it up to `placement_timeout_s`, whether it is new (no replica is up: Serve queues the call while
         one starts) or re-sent after its replica died or could not be reached mid-stream (prompt + tokens so
         far, deployment/ingress/resend.py); then it is a 503."""
 
-        text = self.tokenizer.decode(prompt_token_ids) if self.routing == "prefix_affinity" else None
+        text = self.tokenizer.decode(prompt_token_ids) if self.routing == "prefix_affinity" else ""
 
         def send(rid: str | None, prompt: list[int], left: Any, drawn: int) -> Any:
-            if self.routing == "kv":  # a re-send is routed anew, by what it is now: prompt + tokens so far
-                routed = Routed(token_ids=prompt, cache_salt=cache_salt, max_tokens=left.max_tokens)
-            else:
-                routed = Routed(text) if text is not None else None
-            return self._stream.generate.remote(rid, prompt, left, cache_salt, drawn, routed)
+            # a re-send is routed anew (`kv`), by what it is now: prompt + tokens so far
+            return self._stream.generate.remote(GenerateRequest(prompt, left, rid, cache_salt, drawn, text))
 
         events = resending(send, request_id, prompt_token_ids, params, self.resend_s, self.resend_s)
         try:

@@ -4,7 +4,7 @@
 Two levels, one rule. Each engine places a request on one of its dp groups with the `kv` score
 (engine/placement.py); with several engine replicas this router scores every (replica, dp group) pair with
 the same rule (`kv_rank`), from one `KVIndex` per replica built from that replica's `/kv_events` stream, and hands
-the chosen replica the group it scored best (`Routed.dp`), so the engine does not route a second time.
+the chosen replica the group it scored best (`GenerateRequest.dp`), so the engine does not route again.
 
 - `FleetFollower` (in the ingress replica, on its event loop) long-polls each replica's `follow`: the events
   of its KV stream since the last id (a snapshot after a restart, a resync or a first call), and its groups'
@@ -45,7 +45,7 @@ from typing import Any
 
 from engine.kv_index import KVIndex
 from engine.kv_stream import index_events
-from engine.messages import FollowReport, GroupState, Routed
+from engine.messages import FollowReport, GenerateRequest, GroupState
 from engine.placement import kv_rank
 from kvcache.events import prompt_keys
 
@@ -171,7 +171,7 @@ def fleet_view(app_name: str, deployment: str) -> FleetView:
 
 
 def place(view: FleetView, weights: tuple[float, float, float, float], candidates: list[Any],
-          routed: Routed) -> list[list[Any]]:
+          routed: GenerateRequest) -> list[list[Any]]:
     """Serve's replicas (`RunningReplica`s) in ranks, best first: the one whose best dp group has the best `kv`
     score (that group written on `routed`), the other known replicas with a group up, those not followed yet
     (just started), last those with no group up (their engine keeps the request waiting for one). Never empty
@@ -223,7 +223,7 @@ def _best_group(v: ReplicaView, weights: tuple[float, float, float, float], keys
     return choice
 
 
-def _decide(view: FleetView, v: ReplicaView, routed: Routed, dp: int, blocks: int, keys: list[int],
+def _decide(view: FleetView, v: ReplicaView, routed: GenerateRequest, dp: int, blocks: int, keys: list[int],
             now: float) -> None:
     """Write the decision on `routed` (it travels with the call), and count it in the replica's view until the
     replica reports it."""
@@ -235,7 +235,7 @@ def _decide(view: FleetView, v: ReplicaView, routed: Routed, dp: int, blocks: in
                        now))
 
 
-def _undecide(view: FleetView, routed: Routed) -> None:
+def _undecide(view: FleetView, routed: GenerateRequest) -> None:
     """A request Serve routes again (no rank took it: full, it rejected it, or found dead first): the last
     decision never reached a replica, so it leaves the view, and `routed` carries none until this one."""
     if routed.router == view.id and routed.ticket >= 0:
@@ -243,13 +243,13 @@ def _undecide(view: FleetView, routed: Routed) -> None:
     routed.engine, routed.dp, routed.blocks, routed.partial, routed.router, routed.ticket = None, -1, 0, 0, "", -1
 
 
-def routed_of(pending_request: Any) -> Routed | None:
-    """The generate call's `Routed` (a positional argument of Serve's `PendingRequest`), if it has a prompt."""
-    routed = next((a for a in pending_request.args if isinstance(a, Routed)), None)
+def routed_of(pending_request: Any) -> GenerateRequest | None:
+    """The generate call's `GenerateRequest` (its positional argument in Serve's `PendingRequest`), if any."""
+    routed = next((a for a in pending_request.args if isinstance(a, GenerateRequest)), None)
     return routed if routed is not None and routed.token_ids is not None else None
 
 
-def went_to(view: FleetView, routed: Routed, rid: str) -> None:
+def went_to(view: FleetView, routed: GenerateRequest, rid: str) -> None:
     """Serve sent the request to replica `rid` (its `on_request_routed`). Chosen for another replica (that one
     was full and Serve took the next rank), it leaves that one's load now; `rid`'s own report counts it."""
     if routed.router == view.id and routed.ticket >= 0:

@@ -2,8 +2,8 @@
 
 Only the class, on purpose: Serve pickles the module of a router class given by path *by value* into every
 handle's process, so anything defined here would be a private copy there. What the router shares with the
-ingress's follower (the `FleetView`, the `Routed` class the ingress sends) lives in fleet_routing, imported by
-reference.
+ingress's follower (the `FleetView`) lives in fleet_view, and the `GenerateRequest` the ingress sends in
+engine/messages.py, both imported by reference.
 """
 
 from __future__ import annotations

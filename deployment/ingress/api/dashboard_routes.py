@@ -25,7 +25,7 @@ JS_MEDIA_TYPE = "text/javascript; charset=utf-8"
 ASSET_CACHE = "public, max-age=31536000, immutable"
 # asset name -> (package, file inside it)
 ASSETS = {
-    "dashboard.js": ("deployment", "dashboard/dashboard.js"),
+    "dashboard.js": ("deployment.ingress.api", "dashboard/dashboard.js"),
     "plotly.min.js": ("plotly", "package_data/plotly.min.js"),
 }
 
@@ -47,7 +47,7 @@ def load_asset(name: str) -> Asset:
 @functools.cache
 def page_html() -> str:
     """index.html with each script's URL versioned by its ETag."""
-    html = resources.files("deployment").joinpath("dashboard/index.html").read_text()
+    html = resources.files("deployment.ingress.api").joinpath("dashboard/index.html").read_text()
     for name in ASSETS:
         html = html.replace("{{" + name + "}}", f"dashboard/assets/{name}?v={load_asset(name).etag.strip(chr(34))}")
     return html

@@ -58,7 +58,7 @@ def test_gzip_and_etag_revalidation(client):
 def test_page_script_is_ours_and_unknown_assets_are_404(client):
     r = client.get("/dashboard/assets/dashboard.js")
     assert r.status_code == 200 and r.headers["content-type"] == JS_MEDIA_TYPE
-    assert r.content == resources.files("deployment").joinpath("dashboard/dashboard.js").read_bytes()
+    assert r.content == resources.files("deployment.ingress.api").joinpath("dashboard/dashboard.js").read_bytes()
     for name in ["nope.js", "..%2Froutes.py", "index.html"]:
         bad = client.get(f"/dashboard/assets/{name}")
         assert bad.status_code == 404 and bad.json()["error"]["code"] in ("unknown_asset", None), bad.text

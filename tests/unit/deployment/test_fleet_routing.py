@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import ray
 
-from deployment.router.fleet_view import SENT_S, FleetFollower, FleetView, Routed, Sent, place
-from engine.messages import ADMITTED, FollowReport
+from deployment.router.fleet_view import SENT_S, FleetFollower, FleetView, Sent, place
+from engine.messages import ADMITTED, FollowReport, GenerateRequest
 from kvcache.events import prompt_keys
 from tests.support.engine_harness import make_engine, settled, until
 from workers.sampling_params import SamplingParams
@@ -52,7 +52,7 @@ class Fleet:
 
     async def ask(self, prompt, salt=None, max_tokens=3):
         """Route (as Serve would: the first replica of the first rank), then run it there; the chosen rid."""
-        routed = Routed(token_ids=prompt, cache_salt=salt, max_tokens=max_tokens)
+        routed = GenerateRequest(prompt, SamplingParams(max_tokens=max_tokens), cache_salt=salt)
         ranked = place(self.view, self.weights, [r for r in self.replicas if r.replica_id.unique_id in self.view.live],
                        routed)
         rid = ranked[0][0].replica_id.unique_id
@@ -160,7 +160,7 @@ def test_what_the_router_sent_counts_until_the_replica_reports_it():
         rid, routed = await fleet.ask(TENANT_A + [200])
         view = fleet.view.replicas[rid]
         assert view.sent == []  # admitted and reported: the engine's own load and room count it now
-        second = Routed(token_ids=TENANT_A + [201], max_tokens=5)
+        second = GenerateRequest(TENANT_A + [201], SamplingParams(max_tokens=5))
         place(fleet.view, fleet.weights, fleet.replicas, second)  # decided, not sent yet
         assert second.ticket == routed.ticket + 1 and second.router == fleet.view.id
         assert view.pending(0) == (97 + 5 - 6 * B, 7 - 6)  # what is not cached; blocks beyond the held 6
@@ -177,7 +177,7 @@ def test_a_burst_of_one_prompt_stays_together_before_its_blocks_show():
     requests follow it instead of warming a second replica."""
     async def main():
         fleet = await two_engines()
-        burst = [Routed(token_ids=TENANT_A + [200 + i], max_tokens=3) for i in range(3)]
+        burst = [GenerateRequest(TENANT_A + [200 + i], SamplingParams(max_tokens=3)) for i in range(3)]
         ranked = [place(fleet.view, fleet.weights, fleet.replicas, r) for r in burst]  # none sent yet
         assert len({r[0][0].replica_id.unique_id for r in ranked}) == 1
         assert [r.blocks for r in burst] == [0, 6, 6]
@@ -228,7 +228,7 @@ def test_an_event_that_does_not_fit_asks_for_a_snapshot():
 
 
 def test_the_router_serve_ships_by_value_shares_the_ingress_view_and_routed_class():
-    """Serve pickles a router's module by value into each handle's process: a `Routed` or a view defined there
+    """Serve pickles a router's module by value into each handle's process: a `GenerateRequest` or a view defined there
     would be a private copy, blind to what the ingress sends and the follower writes (it was, once)."""
     import subprocess
     import sys
@@ -257,7 +257,7 @@ def kv_router(fleet: Fleet):
     return router
 
 
-def pending(routed: Routed):
+def pending(routed: GenerateRequest):
     """Serve's PendingRequest of a generate call (made in a running loop: it holds a future)."""
     from ray.serve._private.request_router.common import PendingRequest
 
@@ -315,7 +315,7 @@ def test_with_no_group_up_anywhere_a_request_goes_to_a_replica_and_waits_in_its_
         fleet = await two_engines()
         gate, waiting = await groups_down(fleet)
         assert all(not g.up for v in fleet.view.replicas.values() for g in v.groups)
-        routed = Routed(token_ids=TENANT_A + [200], max_tokens=3)
+        routed = GenerateRequest(TENANT_A + [200], SamplingParams(max_tokens=3))
         request = pending(routed)
         tried = await serves_first_rank(kv_router(fleet), request, fleet.replicas)
         assert tried == fleet.replicas  # Serve takes the shortest queue among them
@@ -341,7 +341,7 @@ def test_replicas_with_no_group_up_rank_after_every_other():
         view.report([dataclasses.replace(g, up=False) for g in view.groups], view.admitted)
         fresh = replica("r-new")  # live, not followed yet
         fleet.view.set_live(fleet.view.live | {"r-new"})
-        routed = Routed(token_ids=TENANT_A + [200], max_tokens=3)
+        routed = GenerateRequest(TENANT_A + [200], SamplingParams(max_tokens=3))
         ranked = place(fleet.view, fleet.weights, [*fleet.replicas, fresh], routed)
         assert ranked == [[fleet.replicas[1]], [fresh], [fleet.replicas[0]]]
         assert routed.engine == fleet.engines["r1"].config.engine_id
@@ -350,9 +350,9 @@ def test_replicas_with_no_group_up_rank_after_every_other():
 
 
 async def routed_call():
-    """Two engines, a kv router over them, and one generate call's `Routed` as Serve's pending request."""
+    """Two engines, a kv router over them, and one generate call's `GenerateRequest` as Serve's pending request."""
     fleet = await two_engines()
-    routed = Routed(token_ids=TENANT_A + [200], max_tokens=3)
+    routed = GenerateRequest(TENANT_A + [200], SamplingParams(max_tokens=3))
     return fleet, kv_router(fleet), routed, pending(routed)
 
 
@@ -367,7 +367,7 @@ def test_a_decision_serve_sent_to_another_replica_leaves_the_chosen_ones_load_at
         assert view.sent == [] and view.pending(0) == (0, 0)
         assert fleet.view.replicas[other.replica_id.unique_id].sent == []  # its own report will count it
 
-        kept = Routed(token_ids=TENANT_A + [201], max_tokens=3)
+        kept = GenerateRequest(TENANT_A + [201], SamplingParams(max_tokens=3))
         request = pending(kept)
         (chosen,), _ = await router.choose_replicas(fleet.replicas, request)
         router.on_request_routed(request, chosen.replica_id, None)  # where it was meant to go: it stays
@@ -398,7 +398,8 @@ def test_a_decision_no_report_accounts_for_counts_sent_s_at_most():
         now = time.monotonic()
         view.sent += [Sent(1 << 40, 0, 10_000, 50, [], now - SENT_S - 1), Sent(1 << 41, 0, 7, 1, [], now)]
         assert view.pending(0) == (10_007, 51)
-        place(fleet.view, fleet.weights, fleet.replicas, Routed(token_ids=TENANT_B + [200], max_tokens=3))
+        place(fleet.view, fleet.weights, fleet.replicas,
+              GenerateRequest(TENANT_B + [200], SamplingParams(max_tokens=3)))
         assert [s.ticket for s in view.sent if s.ticket >= 1 << 40] == [1 << 41]
         view.sent.append(Sent(1 << 42, 0, 10_000, 50, [], now - SENT_S - 1))
         await fleet.sync()  # a report prunes too (it does not admit tickets of another router's numbering)
@@ -426,8 +427,8 @@ def test_an_engine_replica_forgets_the_least_recently_updated_router_first():
     replica._tickets = {f"old-{n}": n for n in range(MAX_ROUTERS)}
 
     async def admit(router: str, ticket: int) -> None:
-        routed = Routed(token_ids=[1], engine="e-0", dp=0, router=router, ticket=ticket)
-        async for _ in replica.generate(None, [1], None, routed=routed):
+        routed = GenerateRequest([1], engine="e-0", dp=0, router=router, ticket=ticket)
+        async for _ in replica.generate(routed):
             pass
 
     async def main():

@@ -66,7 +66,8 @@ class Handle:
     def options(self, stream: bool) -> "Handle":
         return self
 
-    def remote(self, rid, prompt, params, salt=None, drawn=0, routed=None) -> Stream:
+    def remote(self, req) -> Stream:
+        rid, prompt, params, salt, drawn = req.request_id, req.token_ids, req.params, req.cache_salt, req.drawn
         i = len(self.calls)
         self.calls.append((rid, list(prompt), params, drawn))
         eng = self.replicas[min(i, len(self.replicas) - 1)]
