@@ -176,7 +176,7 @@ def test_a_bug_in_the_step_loop_fails_the_engine_and_its_health_instead_of_hangi
 
     async def main():
         eng = await make_engine()
-        assert len(await generate(eng, PROMPT, max_tokens=2)) == 2
+        assert len(await generate(eng, PROMPT, max_tokens=2, ignore_eos=True)) == 2  # sampled: EOS may come
 
         def bug(plans):
             raise KeyError("a bug")
