@@ -287,3 +287,12 @@ def test_dockerfile_model_checks_pass_here(tmp_path: Path):
         done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
                               timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
         assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_the_build_context_keeps_every_source_the_dockerfile_copies():
+    """k8s/Dockerfile.dockerignore ignores everything but what it names: a directory the Dockerfile copies and
+    the ignore file does not name is missing from the build context, and the image does not build."""
+    kept = {line[1:].rstrip("/") for line in (K8S / "Dockerfile.dockerignore").read_text().splitlines()
+            if line.startswith("!")}
+    copied = re.findall(r"^COPY (?:--\S+ )*(\S+)", (K8S / "Dockerfile").read_text(), re.M)
+    assert copied and {src.rstrip("/") for src in copied} <= kept, sorted({s.rstrip("/") for s in copied} - kept)
