@@ -32,7 +32,7 @@ def check_model_setting(settings: Settings) -> None:
     from workers.model_setting import check_model  # no torch; reads the file's header
 
     try:
-        check_model(settings.model or None, settings.tp)
+        check_model(settings.model or None, settings.tp, settings.simulated_profile)
     except ValueError as exc:
         raise ValueError(f"invalid kvfleet settings: {exc}") from None
 

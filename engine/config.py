@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from workers.config import CacheSettings
+from workers.config import CacheSettings, Simulation
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,7 @@ class EngineConfig:
     engine_resource: str = ""  # the aggregator asks for a sliver of it, as the engine's replica does
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
+    simulation: Simulation = field(default_factory=Simulation)
 
     @property
     def world_size(self) -> int:

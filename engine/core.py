@@ -66,7 +66,7 @@ class Engine(GroupRecovery):
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = c = config
-        check_model(c.model or None, c.tp)  # a bad file or tp fails here, before any rank exists
+        check_model(c.model or None, c.tp, c.simulation.profile)  # a bad file or tp fails here, before any rank exists
         self.tokenizer = load_tokenizer(c.model or None)
         self.model_name = c.served_model_name
         self.max_seq_len = c.cache.max_seq_len

@@ -174,7 +174,7 @@ def rank_spec(config: EngineConfig, rank: int, device: str, dtype: str) -> RankS
     s = config
     return RankSpec(engine_id=s.engine_id, rank=rank, dp=s.dp, tp=s.tp, model=s.model, device=device, dtype=dtype,
                     seed=s.seed, cache=s.cache, max_num_batched_tokens=s.max_num_batched_tokens,
-                    num_threads=max(1, int(s.num_cpus_per_rank)))
+                    num_threads=max(1, int(s.num_cpus_per_rank)), simulation=s.simulation)
 
 
 @dataclass

@@ -69,10 +69,11 @@ class KVCacheManager:
             raise ValueError(f"gpu_cache_bytes={config.gpu_cache_bytes} holds no block; at least {need} bytes "
                              "are needed")
         pin = torch.cuda.is_available()
+        host = "meta" if config.device == "meta" else "cpu"  # a simulated rank's tiers hold no bytes
         self._primary = [SlotPool(n, group.slot_bytes, config.device)
                          for n, group in zip(pri, self.pool_groups, strict=True)]
         self._secondary = [
-            SlotPool(n, group.slot_bytes, "cpu", pin=pin) if config.host_cache_bytes and n else None
+            SlotPool(n, group.slot_bytes, host, pin=pin and host == "cpu") if config.host_cache_bytes and n else None
             for n, group in zip(sec, self.pool_groups, strict=True)
         ]
         self._iter = [[0] * NUM_COUNTERS for _ in self.life_cycles]

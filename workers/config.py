@@ -243,3 +243,12 @@ class CacheSettings:
     enable_block_reuse: bool = True
     enable_partial_reuse: bool = True
     enable_stats: bool = True
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """The simulated ranks' settings (`model=simulated`, workers/simulated.py): the cost profile (a name in
+    `workers.cost_model.PROFILES` or a .json file) and how much faster than it the simulated GPUs run."""
+
+    profile: str = "h100-llama3.1-8b"
+    speedup_ratio: float = 1.0

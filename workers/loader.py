@@ -20,10 +20,12 @@ from typing import Any
 
 import torch
 
-from workers.config import CacheSettings, ModelConfig
+from workers.config import CacheSettings, ModelConfig, Simulation
+from workers.cost_model import load_profile
 from workers.gguf_model import GGUFSource, check_gguf, read_gguf
 from workers.model import Model
-from workers.model_setting import RANDOM_MODEL, default_config, resolve_model
+from workers.model_setting import RANDOM_MODEL, SIMULATED_MODEL, default_config, resolve_model, simulated_config
+from workers.simulated import SimulatedModel
 
 log = logging.getLogger("kvfleet.worker")
 
@@ -61,16 +63,25 @@ def load_model(
     seed: int = 0,
     max_seq_len: int | None = None,
     group: Any = None,
-) -> tuple[Model, ModelConfig]:
+    simulation: Simulation | None = None,
+) -> tuple[Model | SimulatedModel, ModelConfig]:
     """Build the model for tp rank `tp_rank` of `tp_size` and fill its weights.
 
     path: a model setting (see `resolve_model`); None / "" / "random" is the built-in model (weights from `seed`).
     max_seq_len: longest sequence the model will serve (default: the config's max_position_embeddings).
     With tp_size > 1, torch.distributed must already be initialised (`workers.parallel.init_tp_group`).
+    simulation: the cost profile and speed of `simulated` (default: `Simulation()`'s).
     Returns (model in eval mode, the full unsharded ModelConfig).
     """
     device = torch.device(device)
     kind, file = resolve_model(path)
+    if kind == SIMULATED_MODEL:
+        sim = simulation or Simulation()
+        profile = load_profile(sim.profile)
+        cfg = simulated_config(profile)
+        cfg.check_tp(tp_size)
+        log.info("simulated model: profile %s at %gx its speed", profile.name, sim.speedup_ratio)
+        return SimulatedModel(profile, cfg, sim.speedup_ratio), cfg
     if kind == RANDOM_MODEL:
         cfg = default_config()
         source: _Source = _DictSource(random_weights(cfg, seed))
@@ -205,16 +216,18 @@ def kv_cache_config(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     free_memory: Callable[[torch.device], int] | None = None,
+    default_tokens: tuple[int, int] = (CPU_DEFAULT_KV_TOKENS, DEFAULT_HOST_KV_TOKENS),
 ) -> Any:
     """The `kvcache.KVCacheManagerConfig` of one tp rank of this model.
 
     One attention layer config per model layer: `num_kv_heads / tp_size` heads of `head_dim`, `dtype`, the
     layer's sliding window (None = full attention), no sink tokens. Primary bytes: `kv_cache_bytes` when > 0;
     else on CUDA `gpu_memory_fraction` of the device's free memory (call this after the model is loaded, so
-    the weights are not counted as free), on CPU room for CPU_DEFAULT_KV_TOKENS tokens. Host bytes:
-    `host_cache_bytes`, or room for DEFAULT_HOST_KV_TOKENS tokens when -1. `free_memory(device) -> bytes`
-    overrides the CUDA query (tests). Whether one `max_seq_len` request fits is the cache's call: check
-    `KVCacheManager(cfg).fits(max_seq_len, chunk_tokens)` (kvcache splits the budget over life cycles).
+    the weights are not counted as free), on any other device room for `default_tokens[0]` tokens. Host bytes:
+    `host_cache_bytes`, or room for `default_tokens[1]` tokens when -1 (a simulated rank's: its profile's).
+    `free_memory(device) -> bytes` overrides the CUDA query (tests). Whether one `max_seq_len` request fits
+    is the cache's call: check `KVCacheManager(cfg).fits(max_seq_len, chunk_tokens)` (kvcache splits the budget
+    over life cycles).
     """
     from kvcache import AttentionLayerConfig, KVCacheManagerConfig
 
@@ -237,9 +250,9 @@ def kv_cache_config(
             free = (free_memory or _cuda_free_bytes)(device)
             kv_cache_bytes = int(free * gpu_memory_fraction)
         else:
-            kv_cache_bytes = CPU_DEFAULT_KV_TOKENS * token_bytes
+            kv_cache_bytes = default_tokens[0] * token_bytes
     if host_cache_bytes == -1:
-        host_cache_bytes = DEFAULT_HOST_KV_TOKENS * token_bytes
+        host_cache_bytes = default_tokens[1] * token_bytes
     kv_heads = model_cfg.num_kv_heads // tp_size
     layers = [
         AttentionLayerConfig(

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from aggregator.delta import RankDelta
 from kvcache.events import KVEvent
-from workers.config import CacheSettings
+from workers.config import CacheSettings, Simulation
 from workers.sampling_params import SamplingParams
 
 
@@ -27,6 +27,7 @@ class RankSpec:
     cache: CacheSettings
     max_num_batched_tokens: int
     num_threads: int = 1
+    simulation: Simulation = field(default_factory=Simulation)  # read with model=simulated only
 
     @property
     def dp_rank(self) -> int:

@@ -28,6 +28,7 @@ from workers.model import SeqInput
 from workers.paged_kernels import cpu_decode_kernel
 from workers.parallel import TPGroup, free_port, group_min, init_tp_group, node_ip, set_cpu_threads
 from workers.sampling import make_generator, sample
+from workers.simulated import SimulatedModel
 from workers.step import NewRequest, RankSpec, StepPlan, StepResult, Work
 
 log = logging.getLogger("kvfleet.worker")
@@ -35,11 +36,18 @@ log = logging.getLogger("kvfleet.worker")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def build_kv_cache(spec: RankSpec, cfg: Any, device: str, dtype: torch.dtype, tp_group: TPGroup) -> KVCacheManager:
+def build_kv_cache(spec: RankSpec, cfg: Any, device: str, dtype: torch.dtype, tp_group: TPGroup,
+                   model: Any = None) -> KVCacheManager:
     """This rank's KV cache manager, with the primary pool size agreed over the tp group: on CUDA each rank
     sizes its pool from its own free memory, and ranks of one group must hold equal block counts to make
-    identical block decisions, so all take the smallest."""
-    kv_cfg = kv_cache_config(cfg, spec.tp, spec.cache, device=device, dtype=dtype)
+    identical block decisions, so all take the smallest. A simulated model's cache is its profile's size on
+    the `meta` device: real bookkeeping, no bytes."""
+    if isinstance(model, SimulatedModel):
+        p = model.profile
+        kv_cfg = kv_cache_config(cfg, spec.tp, spec.cache, device="meta", dtype=dtype,
+                                 default_tokens=(p.kv_tokens, p.host_kv_tokens))
+    else:
+        kv_cfg = kv_cache_config(cfg, spec.tp, spec.cache, device=device, dtype=dtype)
     kv_cfg.gpu_cache_bytes = group_min(kv_cfg.gpu_cache_bytes, tp_group)
     return KVCacheManager(kv_cfg)
 
@@ -113,8 +121,9 @@ class RankWorker:
         tp_group = init_tp_group(s.tp_rank, s.tp, master_addr, master_port, timeout_s=timeout_s, device=self.device)
         dtype = DTYPES[s.dtype]
         self.model, cfg = load_model(s.model or None, tp_rank=s.tp_rank, tp_size=s.tp, device=self.device,
-                                     dtype=dtype, seed=s.seed, max_seq_len=s.cache.max_seq_len)
-        self.kv = build_kv_cache(s, cfg, self.device, dtype, tp_group)
+                                     dtype=dtype, seed=s.seed, max_seq_len=s.cache.max_seq_len,
+                                     simulation=s.simulation)
+        self.kv = build_kv_cache(s, cfg, self.device, dtype, tp_group, self.model)
         self.layout = layout_of(self.kv, s, self.incarnation, ray.get_runtime_context().get_node_id())
         lo, hi = 1, s.cache.max_seq_len
         while lo < hi:  # the longest request one rank can hold alone
@@ -124,7 +133,7 @@ class RankWorker:
             else:
                 hi = mid - 1
         self.max_request_tokens, self.vocab_size = lo, cfg.vocab_size
-        if self.device == "cpu":
+        if self.device == "cpu" and not isinstance(self.model, SimulatedModel):
             cpu_decode_kernel()  # built (or loaded from the cache) here, not in the first request's step
         log.info("rank %d (dp %d, tp %d) ready on %s: %d primary blocks, requests up to %d tokens",
                  s.rank, s.dp_rank, s.tp_rank, self.device, self.kv.get_kv_cache_stats().max_num_blocks, lo)

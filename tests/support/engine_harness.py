@@ -37,12 +37,14 @@ class LocalRank:
 
 def make_rank(c: EngineConfig, rank: int) -> RankWorker:
     spec = RankSpec(engine_id=c.engine_id, rank=rank, dp=c.dp, tp=c.tp, model=c.model, device="cpu",
-                    dtype="float32", seed=c.seed, cache=c.cache, max_num_batched_tokens=c.max_num_batched_tokens)
+                    dtype="float32", seed=c.seed, cache=c.cache, max_num_batched_tokens=c.max_num_batched_tokens,
+                    simulation=c.simulation)
     w = RankWorker(spec)
-    if "random" not in _MODEL:
-        _MODEL["random"] = load_model(None, seed=c.seed, max_seq_len=c.cache.max_seq_len)
-    w.model, cfg = _MODEL["random"]
-    w.kv = build_kv_cache(spec, cfg, "cpu", torch.float32, TPGroup(spec.tp_rank, 1, None, "", 0))
+    key = (c.model, c.simulation)
+    if key not in _MODEL:
+        _MODEL[key] = load_model(c.model, seed=c.seed, max_seq_len=c.cache.max_seq_len, simulation=c.simulation)
+    w.model, cfg = _MODEL[key]
+    w.kv = build_kv_cache(spec, cfg, "cpu", torch.float32, TPGroup(spec.tp_rank, 1, None, "", 0), w.model)
     w.layout = layout_of(w.kv, spec, w.incarnation, node_id="local")
     return w
 

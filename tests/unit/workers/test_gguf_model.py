@@ -43,11 +43,12 @@ def test_quantized_gguf_dequantizes_close_to_the_weights(tmp_path, quant, atol):
 
 def test_model_names_and_paths(tmp_path):
     assert resolve_model("random") == resolve_model("") == resolve_model(None) == ("random", None)
+    assert resolve_model("simulated") == ("simulated", None)
     kind, path = resolve_model("smollm2-135m-instruct")
     assert kind == "gguf" and path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
     assert resolve_model(str(tmp_path)) == ("hf", str(tmp_path))
     assert resolve_model("/x/m.gguf") == ("gguf", "/x/m.gguf")
-    with pytest.raises(ValueError, match="neither a known name .*random, smollm2-135m-instruct"):
+    with pytest.raises(ValueError, match="neither a known name .*random, simulated, smollm2-135m-instruct"):
         resolve_model("smollm3")
 
 
