@@ -75,27 +75,6 @@ async def one(http: httpx.AsyncClient, tenant: int, prompt: str) -> tuple[float,
     return first or 0.0, n
 
 
-def fleet_counts(client: StatsClient) -> tuple[int, int]:
-    """(reused, missed) blocks of the fleet (or of the one engine) from /kv_cache_stats."""
-    stats = client.kv_cache_stats()
-    s = stats.get("fleet", stats)
-    return s["reusedBlocks"], s["missedBlocks"]
-
-
-def per_engine_and_reuse(client: StatsClient) -> tuple[dict[str, int], tuple[int, int]]:
-    """Requests each engine admitted, and (predicted, realized) reuse of the requests placed by the last level
-    of routing (the fleet's router when it placed them, else the engine's), from every record (all pages)."""
-    out: dict[str, int] = {}
-    predicted = realized = 0
-    for r in client.get_all_stats():
-        out[r["engineId"]] = out.get(r["engineId"], 0) + r.get("numNewActiveRequests", 0)
-        routing = r.get("routing") or {}
-        level = routing.get("fleet") if (routing.get("fleet") or {}).get("requests") else routing
-        predicted += level.get("predictedReusedBlocks", 0)
-        realized += level.get("realizedReusedBlocks", 0)
-    return dict(sorted(out.items())), (predicted, realized)
-
-
 def kill_one_engine_replica(app: str) -> None:
     """Kill an engine replica's actor (Serve starts another: its cache empty, the same engine id)."""
     victim = next(a for a in ray.util.list_named_actors(all_namespaces=True)
@@ -113,7 +92,7 @@ async def run_setup(n: int, name: str, extra: dict, requests: list[tuple[int, st
     serve.run(build_app(settings), name="fleetbench", route_prefix="/")
     url = f"http://127.0.0.1:{PORT}"
     with StatsClient(url) as stats:
-        before = fleet_counts(stats)
+        before = stats.reuse_counts()
     async with httpx.AsyncClient(base_url=url, timeout=300) as http:
         sem, results = asyncio.Semaphore(4), []
 
@@ -127,8 +106,8 @@ async def run_setup(n: int, name: str, extra: dict, requests: list[tuple[int, st
         await asyncio.gather(*(limited(i, t, p) for i, (t, p) in enumerate(requests)))
         wall = time.perf_counter() - t0
     with StatsClient(url) as stats:
-        reused, missed = (a - b for a, b in zip(fleet_counts(stats), before, strict=True))
-        per_engine, reuse = per_engine_and_reuse(stats)
+        reused, missed = (a - b for a, b in zip(stats.reuse_counts(), before, strict=True))
+        per_engine, reuse = stats.routing_summary()
     serve.delete("fleetbench")
     ttft = sorted(f for f, _ in results)
     return {"setup": name, "hit": hit_rate(reused, missed),

@@ -102,6 +102,26 @@ class StatsClient:
     def kv_cache_stats(self) -> dict:
         return self._get("/kv_cache_stats")
 
+    def reuse_counts(self) -> tuple[int, int]:
+        """(reused, missed) blocks so far, of the fleet (or of the one engine): a hit rate over a run is the
+        difference of two of these."""
+        stats = self.kv_cache_stats()
+        s = stats.get("fleet", stats)
+        return s["reusedBlocks"], s["missedBlocks"]
+
+    def routing_summary(self) -> tuple[dict[str, int], tuple[int, int]]:
+        """Requests each engine admitted, and (predicted, realized) reuse of the requests placed by the last level
+        of routing (the fleet's router when it placed them, else the engine's), over every record held."""
+        out: dict[str, int] = {}
+        predicted = realized = 0
+        for r in self.get_all_stats():
+            out[r["engineId"]] = out.get(r["engineId"], 0) + r.get("numNewActiveRequests", 0)
+            routing = r.get("routing") or {}
+            level = routing.get("fleet") if (routing.get("fleet") or {}).get("requests") else routing
+            predicted += level.get("predictedReusedBlocks", 0)
+            realized += level.get("realizedReusedBlocks", 0)
+        return dict(sorted(out.items())), (predicted, realized)
+
     def ranks(self) -> dict:
         return self._get("/stats/ranks")
 

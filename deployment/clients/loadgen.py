@@ -1,6 +1,13 @@
 """Traffic for newcomers: a shared-prefix workload against a running app, then what the KV cache did.
 
     python -m deployment.clients.loadgen --url http://127.0.0.1:8000 --requests 64
+    python -m deployment.clients.loadgen --trace ../shared/traces/mooncake_conversation_trace.jsonl \
+        --limit 1000 --scale 0.125 --speed 4 --out results.json
+
+`--trace` replays a Mooncake-format trace instead (deployment/clients/trace.py): its requests in order at the
+trace's times / `--speed`, or `--concurrency` at a time; it prints TTFT, inter-token and end-to-end latency
+(p50/p90/p99), output tokens/s, the hit rate over the run and the routers' predicted vs realized reuse, and
+with `--out` writes every request's result (JSON) and a plot over time (HTML) next to it.
 
 Requests share a few long "system prompt" prefixes and differ in a short suffix, the pattern that makes
 prefix reuse pay off; with the demo-sized cache, enough distinct prefixes also force eviction and offload
@@ -19,6 +26,7 @@ import httpx
 from tqdm import tqdm
 
 from deployment.clients.client import StatsClient
+from deployment.clients.trace import read_trace, replay, summary, write_results
 
 WORDS = ("cache block rank tensor prefix token window stream layer head shard query value key pool tier "
          "evict reuse offload decode batch").split()
@@ -107,18 +115,66 @@ def _settled_kv_stats(stats: StatsClient, settle_s: float) -> dict:
     return prev
 
 
+def run_trace(a: argparse.Namespace) -> int:
+    """Replay `a.trace` and print what each request saw and what the caches did."""
+    requests = read_trace(a.trace, a.limit, a.scale)
+    with StatsClient(a.url) as stats:
+        before = stats.reuse_counts()
+        _, (pred0, real0) = stats.routing_summary()
+        result = asyncio.run(replay(a.url, requests, speed=a.speed, concurrency=a.concurrency, model=a.model,
+                                    progress=not a.no_progress))
+        after = _settled_kv_stats(stats, 10.0)
+        _, (pred1, real1) = stats.routing_summary()
+    s = summary(result)
+    reused = after.get("fleet", after)["reusedBlocks"] - before[0]
+    missed = after.get("fleet", after)["missedBlocks"] - before[1]
+    print(f"{s['requests']} requests ({s['failed']} failed), {s['output_tokens']} output tokens in "
+          f"{s['seconds']:.1f}s: {s['output_tok_s']:.1f} tokens/s")
+    print(f"{'':<12}{'p50':>10}{'p90':>10}{'p99':>10}")
+    for name in ("ttft", "itl", "e2e"):
+        print(f"{name.upper() + ' ms':<12}" + "".join(f"{s[f'{name}_p{q}_s'] * 1e3:>10.1f}" for q in (50, 90, 99)))
+    print(f"hit rate over the run: {reused / (reused + missed) if reused + missed else 0.0:.1%} (blocks reused "
+          f"{reused}, missed {missed}); routed reuse predicted {pred1 - pred0}, realized {real1 - real0} blocks")
+    failed = [r.error for r in result.results if r.error]
+    if failed:
+        print(f"first failure: {failed[0]}")
+    if a.out:
+        write_results(a.out, {"trace": a.trace, "limit": a.limit, "scale": a.scale, "speed": a.speed,
+                              "concurrency": a.concurrency}, result)
+        print(f"results in {a.out}, a plot in {a.out.rsplit('.', 1)[0]}.html")
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvfleet-loadgen", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", default="http://127.0.0.1:8000", help="base URL of a running kvfleet app")
     p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--concurrency", type=int, default=None, help="requests in flight (default 8; with --trace: "
+                   "closed loop at this many instead of the trace's times)")
     p.add_argument("--prefixes", type=int, default=4, help="distinct shared prefixes")
     p.add_argument("--prefix-words", type=int, default=60, help="words per shared prefix")
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--model", default=None, help="model name to send (default: the server's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--trace", help="replay this Mooncake-format trace (JSONL) instead")
+    p.add_argument("--limit", type=int, default=None, help="--trace: its first N requests")
+    p.add_argument("--scale", type=float, default=1.0, help="--trace: every length times this (0 < scale <= 1)")
+    p.add_argument("--speed", type=float, default=1.0, help="--trace: arrivals at this many times the trace's pace")
+    p.add_argument("--out", help="--trace: write every request's result here (JSON) and a plot next to it (HTML)")
     a = p.parse_args(argv)
+    if a.trace:
+        if a.speed <= 0 or (a.concurrency is not None and a.concurrency < 1) or not 0 < a.scale <= 1:
+            p.error("--speed must be > 0, --concurrency >= 1 and --scale in (0, 1]")
+        try:
+            return run_trace(a)
+        except (OSError, ValueError) as exc:
+            print(f"cannot replay {a.trace}: {exc}", file=sys.stderr)
+            return 2
+        except httpx.HTTPError as exc:
+            print(f"cannot reach {a.url}: {exc} (is the app running? `serve run deployment:app`)", file=sys.stderr)
+            return 2
+    a.concurrency = a.concurrency or 8
     if min(a.requests, a.concurrency, a.prefixes, a.prefix_words, a.max_tokens) < 1:
         p.error("--requests, --concurrency, --prefixes, --prefix-words and --max-tokens must be >= 1")
     try:

@@ -40,6 +40,7 @@ import itertools
 import logging
 import secrets
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +58,7 @@ PUBLISH_S = 5.0  # how long a sent prompt's blocks count as coming without its r
 # how long a decision counts in its replica's load without the replica reporting it admitted (reports come every
 # POLL_S): its request went elsewhere, or nowhere, and Serve did not say
 SENT_S = 10.0
+DECISIONS_KEPT = 4096  # the router's latest decision times, for /metrics' quantiles
 
 
 @dataclass
@@ -138,6 +140,8 @@ class FleetView:
         self.live: frozenset[str] = frozenset()  # the replica ids Serve routes to now (the router's)
         self.replicas: dict[str, ReplicaView] = {}  # by replica id (the follower's)
         self.on_change: Any = None  # the follower's wake-up, safe to call from the router's thread
+        self.decision_s: deque[float] = deque(maxlen=DECISIONS_KEPT)  # how long each `place` took (the router's)
+        self.follow_calls = 0  # follow calls answered (the follower's)
 
     def set_live(self, ids: frozenset[str]) -> None:
         if ids == self.live:
@@ -168,6 +172,27 @@ _VIEWS: dict[tuple[str, str], FleetView] = {}
 def fleet_view(app_name: str, deployment: str) -> FleetView:
     """The process's view of one engine deployment (the router and the follower find each other here)."""
     return _VIEWS.setdefault((app_name, deployment), FleetView())
+
+
+def router_metrics(view: FleetView) -> str:
+    """This process's router on /metrics: its decision time over the latest decisions, and its follower's calls
+    (labelled by the ingress replica, as each replica routes and follows on its own)."""
+    try:
+        from ray import serve
+
+        ingress = serve.get_replica_context().replica_id.unique_id
+    except RuntimeError:  # not in a Serve replica (tests)
+        ingress = "local"
+    times = sorted(view.decision_s)
+    lines = ["# HELP kvfleet_router_decision_seconds how long the kv router took to place a request (its latest "
+             f"{DECISIONS_KEPT} decisions)", "# TYPE kvfleet_router_decision_seconds gauge"]
+    for q in (0.5, 0.9, 0.99):
+        value = times[min(len(times) - 1, int(q * len(times)))] if times else 0.0
+        lines.append(f'kvfleet_router_decision_seconds{{ingress="{ingress}",quantile="{q}"}} {value:.6g}')
+    lines += ["# HELP kvfleet_router_follow_calls_total follow calls the ingress's follower made to engine replicas",
+              "# TYPE kvfleet_router_follow_calls_total counter",
+              f'kvfleet_router_follow_calls_total{{ingress="{ingress}"}} {view.follow_calls}']
+    return "\n".join(lines) + "\n"
 
 
 def place(view: FleetView, weights: tuple[float, float, float, float], candidates: list[Any],
@@ -261,14 +286,14 @@ class FleetFollower:
 
     def __init__(self, handle: Any, view: FleetView) -> None:
         self._h = handle
-        self._view = view
+        self.view = view
         self._tasks: dict[str, asyncio.Task] = {}
         self._changed = asyncio.Event()
         self._main: asyncio.Task | None = None
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._view.on_change = lambda: loop.call_soon_threadsafe(self._changed.set)
+        self.view.on_change = lambda: loop.call_soon_threadsafe(self._changed.set)
         self._main = loop.create_task(self._supervise())
 
     async def close(self) -> None:
@@ -279,15 +304,15 @@ class FleetFollower:
 
     def replica_of(self, engine: str) -> str | None:
         """The live replica that is engine `engine` now, as its last follow answer said."""
-        for rid, v in list(self._view.replicas.items()):
-            if v.engine == engine and rid in self._view.live:
+        for rid, v in list(self.view.replicas.items()):
+            if v.engine == engine and rid in self.view.live:
                 return rid
         return None
 
     async def _supervise(self) -> None:
         while True:
             self._changed.clear()
-            live = self._view.live
+            live = self.view.live
             for rid in live - self._tasks.keys():
                 self._tasks[rid] = asyncio.create_task(self._follow(rid))
             for rid in self._tasks.keys() - live:
@@ -296,7 +321,7 @@ class FleetFollower:
 
     async def _follow(self, rid: str) -> None:
         after: str | None = None
-        while rid in self._view.live:
+        while rid in self.view.live:
             try:
                 got = await self._h.follow.remote(after, POLL_S, replica=rid)
             except asyncio.CancelledError:
@@ -306,6 +331,7 @@ class FleetFollower:
                 after = None
                 await asyncio.sleep(RETRY_S)
                 continue
+            self.view.follow_calls += 1
             if got.replica != rid:  # another replica answered: this one is not (or no longer) there
                 await asyncio.sleep(RETRY_S)
                 continue
@@ -313,12 +339,12 @@ class FleetFollower:
 
     def _apply(self, rid: str, got: FollowReport) -> str | None:
         """One follow answer into the replica's view; the id to resume after (None: ask for a snapshot)."""
-        v = self._view.replicas.get(rid)
+        v = self.view.replicas.get(rid)
         if v is None or v.engine != got.engine:
-            if rid not in self._view.live:
+            if rid not in self.view.live:
                 return None
             v = ReplicaView(got.engine, got.block_size, KVIndex(len(got.groups), 1 << 30, got.block_size), got.groups)
-            self._view.replicas[rid] = v
+            self.view.replicas[rid] = v
         ok = True
         for eid, event in got.events:
             try:
@@ -327,5 +353,5 @@ class FleetFollower:
             except (KeyError, ValueError, IndexError, TypeError):  # not an event this stream sends: resync
                 ok = False
             v.last_id = eid
-        v.report(got.groups, got.tickets.get(self._view.id, -1))
+        v.report(got.groups, got.tickets.get(self.view.id, -1))
         return v.last_id if ok else None

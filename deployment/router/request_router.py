@@ -8,6 +8,7 @@ engine/messages.py, both imported by reference.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -45,7 +46,10 @@ class KVFleetRouter(RequestRouter):
         routed = routed_of(pending_request)
         if routed is None:
             return [candidate_replicas]  # Serve takes the one with the shortest queue
-        return place(self.view, self.weights, candidate_replicas, routed)
+        t0 = time.perf_counter()
+        ranks = place(self.view, self.weights, candidate_replicas, routed)
+        self.view.decision_s.append(time.perf_counter() - t0)
+        return ranks
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         """Serve's word on the replica that accepted the request, which may not be the one `place` chose."""

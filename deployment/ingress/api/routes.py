@@ -25,6 +25,7 @@ from deployment.ingress.api.kv_events import kv_events_router
 from deployment.ingress.api.stats_routes import metrics_router, stats_router
 from deployment.ingress.stats.fleet import FleetStats
 from deployment.ingress.stats.mirror import StatsMirror
+from deployment.router.fleet_view import router_metrics
 from deployment.settings import Settings
 
 logger = logging.getLogger("kvfleet.deployment")
@@ -44,7 +45,8 @@ def create_api(engine: EngineProtocol, stats: StatsMirror | FleetStats, settings
         api.add_middleware(guard.wrap)  # outside the routes: no body is read before the key is checked
     api.include_router(openai_router(engine, settings))
     api.include_router(stats_router(fleet, settings.dp * settings.tp))
-    api.include_router(metrics_router(fleet))
+    follower = getattr(engine, "follower", None)
+    api.include_router(metrics_router(fleet, follower and (lambda: router_metrics(follower.view))))
     api.include_router(dashboard_router())
     api.include_router(kv_events_router(engine))
 

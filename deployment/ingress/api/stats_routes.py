@@ -5,6 +5,8 @@ always has; with several and no `engine`, the merged reads, whose positions are 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
@@ -166,22 +168,25 @@ def stats_router(stats: FleetStats, world_size: int) -> APIRouter:
     return router
 
 
-def metrics_router(fleet: FleetStats) -> APIRouter:
+def metrics_router(fleet: FleetStats, extra: Callable[[], str] | None = None) -> APIRouter:
     """/metrics and its trtllm-serve path: they take the scrape key as well as the API keys (auth.py
     METRICS_ROUTES). With several engines, every engine's series labelled `engine`, plus the fleet totals
-    (deployment/ingress/stats/fleet_metrics.py)."""
+    (deployment/ingress/stats/fleet_metrics.py); `extra` adds this process's own (the kv router's)."""
     router = APIRouter(tags=["statistics"])
     stats = fleet.single or fleet
+
+    async def text() -> str:
+        return await stats.metrics_text() + (extra() if extra is not None else "")
 
     @router.get("/metrics", response_class=PlainTextResponse, responses={200: {
         "description": "Prometheus text exposition", "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics() -> Response:
-        return PlainTextResponse(await stats.metrics_text(), media_type=PROMETHEUS_CONTENT_TYPE)
+        return PlainTextResponse(await text(), media_type=PROMETHEUS_CONTENT_TYPE)
 
     @router.get("/trtllm/prometheus/metrics", response_class=PlainTextResponse, responses={200: {
         "description": "/metrics at trtllm-serve's Prometheus path",
         "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def trtllm_prometheus() -> Response:
-        return PlainTextResponse(await stats.metrics_text(), media_type=PROMETHEUS_CONTENT_TYPE)
+        return PlainTextResponse(await text(), media_type=PROMETHEUS_CONTENT_TYPE)
 
     return router
