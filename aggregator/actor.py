@@ -283,11 +283,16 @@ class StatsAggregatorImpl:
         return {**rec, "ranks": ranks}
 
     @ray.method(enable_task_events=False)  # one call per mirror per batch of records
-    async def wait_records(self, since: int, timeout_s: float) -> list[dict]:
-        """Long poll: records with iter > since as soon as there are any, [] after timeout_s."""
+    async def wait_records(self, since: int, timeout_s: float, linger_s: float = 0.0) -> list[dict]:
+        """Long poll: records with iter > since as soon as there are any (and those of the `linger_s` after the
+        first: one reply for a step's worth of records), [] after timeout_s."""
         self.subscribers += 1
         try:
-            return await self._changes.wait(lambda: self.buffer.since(since, WAIT_LIMIT), float(timeout_s))
+            got = await self._changes.wait(lambda: self.buffer.since(since, WAIT_LIMIT), float(timeout_s))
+            if got and linger_s > 0 and len(got) < WAIT_LIMIT:
+                await asyncio.sleep(min(float(linger_s), 1.0))
+                got = self.buffer.since(since, WAIT_LIMIT)
+            return got
         finally:
             self.subscribers -= 1
 

@@ -14,10 +14,12 @@ fleet view's lag, the router's decision time and the CPU, which are real. Reques
 system prompts (Zipf) + a unique 512-token question, 128 output tokens, streamed over HTTP.
 
 Per size it prints: output tokens/s and its ratio to linear from the smallest size (target >= 0.9 from 2 to
-16), TTFT and ITL p50/p99, the groups' busy share (their steps' time over the run), the fleet view's lag (a
-record's timestamp to an SSE reader of the merged /stats/stream: p99 < 500 ms at 16), the kv router's decision
-time p50/p99 (/metrics: < 5 ms at 16), the followers' calls per second, the CPU per request and per record of the
-ingress replicas, and the RSS of each kind of long-lived process (the mean and the sum). No assertions on time.
+16; with `--concurrency C`, C streams per dp group in a closed loop instead of the Poisson stream, the tokens
+streamed within the window: the fleet's capacity), TTFT and ITL p50/p99, the groups' busy share (their steps'
+time over the run), the fleet view's lag (a record's timestamp to an SSE reader of the merged /stats/stream: p99
+< 500 ms at 16), the kv router's decision time p50/p99 (/metrics: < 5 ms at 16), the followers' calls per second,
+the CPU per request and per record of the ingress replicas, and the RSS of each kind of long-lived process (the
+mean and the sum). No assertions on time.
 """
 
 import argparse
@@ -133,6 +135,36 @@ async def one(http: httpx.AsyncClient, prompt: str, max_tokens: int = OUTPUT_TOK
     return first - t0, (last - first) / max(1, n - 1), n
 
 
+async def closed(url: str, concurrency: int, seconds: float, seed: int) -> tuple[list, float, int]:
+    """`concurrency` streams, each sending its next request when its last ends, for `seconds`: every request's
+    result, the wall time, and the tokens streamed within the window (the fleet's capacity)."""
+    texts = iter(prompts(100_000, seed))
+    results: list = []
+    in_window = 0
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=1024)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+        t0 = time.perf_counter()
+        deadline = t0 + seconds
+
+        async def stream() -> None:
+            nonlocal in_window
+            while time.perf_counter() < deadline:
+                body = {"prompt": next(texts), "max_tokens": OUTPUT_TOKENS, "temperature": 0, "ignore_eos": True,
+                        "stream": True}
+                sent, first, last, n = time.perf_counter(), None, None, 0
+                async with http.stream("POST", "/v1/completions", json=body) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            last = time.perf_counter()
+                            first = first or last
+                            n += 1
+                            in_window += last <= deadline
+                results.append((first - sent, (last - first) / max(1, n - 1), n))
+
+        await asyncio.gather(*(stream() for _ in range(concurrency)))
+        return results, seconds, in_window
+
+
 async def load(url: str, rate_wall: float, seconds: float, seed: int) -> tuple[list, float]:
     """Poisson arrivals at `rate_wall` a second for `seconds`; every request's result and the wall time."""
     rng = random.Random(seed)
@@ -204,7 +236,11 @@ async def run_size(size: str, args: argparse.Namespace) -> dict:
     stop, lags, records = asyncio.Event(), [], []
     reader = asyncio.create_task(stream_lag(url, since, stop, lags, records))
     before = router_figures(url)
-    results, wall = await load(url, args.rate * groups * speedup, args.seconds, seed=replicas)
+    if args.concurrency:
+        results, wall, tokens = await closed(url, args.concurrency * groups, args.seconds, seed=replicas)
+    else:
+        results, wall = await load(url, args.rate * groups * speedup, args.seconds, seed=replicas)
+        tokens = sum(r[2] for r in results if not isinstance(r, Exception))
     after = router_figures(url)
     stop.set()
     cpu1 = cpu_of(kinds)
@@ -225,7 +261,7 @@ async def run_size(size: str, args: argparse.Namespace) -> dict:
     row = {
         "size": size, "replicas": replicas, "dp": dp, "ingress": ingress, "start_s": started, "speedup": speedup,
         "requests": len(results), "failed": len(results) - len(ok),
-        "tok_s": sum(n for *_, n in ok) / (wall * sim),
+        "tok_s": tokens / (wall * sim),
         "ttft_p50": percentile([r[0] * sim for r in ok], 0.5), "ttft_p99": percentile([r[0] * sim for r in ok], 0.99),
         "itl_p50": percentile([r[1] * sim for r in ok], 0.5), "itl_p99": percentile([r[1] * sim for r in ok], 0.99),
         "busy": busy_share(url, since, wall, groups),
@@ -239,7 +275,24 @@ async def run_size(size: str, args: argparse.Namespace) -> dict:
         "rss_mb": {k: (statistics.mean(v) / 2**20, sum(v) / 2**20, len(v)) for k, v in sorted(rss.items())},
     }
     serve.delete("scale")
+    remove_aggregators(settings_ids(replicas))
     return row
+
+
+def settings_ids(replicas: int) -> list[str]:
+    return [f"scale-{r}" for r in range(replicas)]
+
+
+def remove_aggregators(engine_ids: list[str]) -> None:
+    """The detached aggregators an app leaves (kept for a next engine of the same id): the next size starts
+    clean, and its processes are its own."""
+    from aggregator.actor import NAMESPACE, aggregator_name
+
+    for eid in engine_ids:
+        try:
+            ray.kill(ray.get_actor(aggregator_name(eid), namespace=NAMESPACE))
+        except ValueError:
+            pass
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -286,5 +339,7 @@ if __name__ == "__main__":
     ap.add_argument("--steps", type=float, default=0.2, help="the speed is this over the dp groups, at most "
                     "--speedup: as many steps a wall second at every size, what 2 cores keep up with")
     ap.add_argument("--rate", type=float, default=1.2, help="requests per second per dp group (profile time)")
+    ap.add_argument("--concurrency", type=int, default=0, help="closed loop instead: this many streams per dp "
+                    "group, tokens/s counted within the window (the fleet's capacity)")
     ap.add_argument("--json", help="write the rows here too")
     asyncio.run(main(ap.parse_args()))

@@ -8,15 +8,18 @@ Modules, lowest first (those marked * import no torch, so the engine and the ing
 - `tokenizer`*, `gguf_tokenizer`*: the byte tokenizer and `tokenizer.json`, chat templates, the incremental
   detokenizer; a GGUF file's own tokenizer.
 - `gguf_model`*: a GGUF file's config and (dequantized, with numpy) weights; the packaged SmolLM2 default.
-- `models`*: what a `model` setting names, its config checked without weights, its tokenizer.
+- `cost_model`*: what a GPU step costs (a roofline over the batch), the simulated ranks' profiles.
+- `model_setting`*: what a `model` setting names, its config checked without weights, its tokenizer.
 - `parallel`: the tp group (`torch.distributed`, NCCL or gloo, own rendezvous) and the parallel linears.
 - `paged_batch`: one forward pass's sequences and the block-table plans paged attention reads through.
 - `paged_kernels`: our CPU decode attention that reads the cache's blocks in place (`csrc/`, built on first
   use with torch's cpp_extension and cached; without a compiler the model gathers the blocks instead).
 - `model`: the decoder (Llama / Qwen2 / Qwen3 / Mistral family) with attention paged through `kvcache`.
+- `simulated`: the simulated model (`model=simulated`, docs/simulation.md): sleeps a step's cost, emits a
+  hash of the sequence.
 - `sampling`: the batched sampler (vLLM's penalties, greedy, temperature, min-p, top-k, top-p, per-draw seeded
   generators).
-- `loader`: loads a model directory, a GGUF file or the built-in random model, each tp rank its slice; KV
-  cache sizing.
+- `loader`: loads a model directory, a GGUF file, the built-in random model or the simulated one, each tp
+  rank its slice; KV cache sizing.
 - `worker`: `RankWorker`, one rank's actor: its step, its stats delta, its KV events.
 """

@@ -2,6 +2,11 @@
 
 from typing import Any
 
+# how long the aggregator gathers records once a long poll has one: an engine emits a record a step, so without it
+# each mirror makes an actor call a record (most of the ingress's CPU a record: bench/fleet_scale.py); with it,
+# a call a LINGER_S at most, and a record reaches the ingress at most this much later
+LINGER_S = 0.1
+
 
 class AggregatorClient:
     """The mirror's upstream: the StatsAggregator actor handle, given (the engine named it), or found by the
@@ -34,7 +39,7 @@ class AggregatorClient:
         return await self._call("query", since=since, limit=limit, ranks=ranks)
 
     async def wait_records(self, since: int, timeout_s: float) -> list[dict]:
-        return await self._call("wait_records", since, timeout_s=timeout_s)
+        return await self._call("wait_records", since, timeout_s=timeout_s, linger_s=LINGER_S)
 
     async def ranks(self) -> dict:
         return await self._call("ranks")
