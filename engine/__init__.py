@@ -16,6 +16,8 @@ Modules, lowest first:
 - `recovery`: a down dp group's restart with backoff, the engine's handling of a failed group
   (`GroupRecovery`), and the requests that wait while no group is up.
 - `stats_channel`: the engine's end of the stats channel: iterations to the aggregator until acknowledged.
+- `lifecycle`: the engine's start (its aggregator checked, a dead predecessor's groups taken over, the rest
+  launched and warmed up) and its shutdown.
 - `core`: `Engine`, the step loop over dp groups.
 - `messages`: what a generate call carries from the ingress through Serve's request router (`GenerateRequest`).
 - `serve`: `KVFleetEngine`, the engine's Serve deployment around `Engine` (the only module here that imports

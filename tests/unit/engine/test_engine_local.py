@@ -7,8 +7,8 @@ import pytest
 import ray
 import torch
 
-from engine.core import first_iteration
 from engine.errors import RequestError, RequestFailed
+from engine.lifecycle import first_iteration
 from tests.support.engine_harness import generate, make_engine, settled
 from workers import worker as worker_module
 from workers.sampling_params import SamplingParams

@@ -162,7 +162,7 @@ def test_a_step_that_raises_on_a_live_rank_resyncs_the_index_and_the_stream():
 
 def salted_keys(mgr, salt) -> set[int]:
     """The key of every block the manager's reuse tree holds under `salt`."""
-    stack, keys = list(mgr._roots[(type(salt), salt)].children.values()), set()
+    stack, keys = list(mgr.reuse.roots[(type(salt), salt)].children.values()), set()
     while stack:
         node = stack.pop()
         keys.add(key_of(node))
