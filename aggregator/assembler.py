@@ -259,10 +259,10 @@ class Assembler:
         _, _, kv, sched = lay.parts(d.row)
         stats = dict(zip(KV_STATS, kv.tolist(), strict=True))
         stats["cacheHitRate"] = hit_rate(stats["reusedBlocks"], stats["missedBlocks"])
-        figures = dict(zip(SCHED, sched.tolist(), strict=True))
+        scheduler = dict(zip(SCHED, sched.tolist(), strict=True))
         return {"iter": iteration, "rank": d.rank, "dpRank": lay.dp_rank, "tpRank": lay.tp_rank,
                 "incarnation": d.incarnation, "kvCacheStats": stats, **views_of(lay, d.row),
-                "iterLatencyMS": figures.pop("stepUs") / 1000, **figures}
+                "iterLatencyMS": scheduler.pop("stepUs") / 1000, **scheduler}
 
     def checkpoint(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "last_emitted": self.last_emitted, "counts": dict(self.counts),

@@ -24,9 +24,9 @@ KV_STATS = tuple(k for k in KV_CACHE_STATS_KEYS if k != "cacheHitRate")
 
 
 @dataclass(slots=True)
-class StepFigures:
-    """A rank's own figures for one iteration, named in records as TensorRT-LLM's iteration stats where one
-    exists (`SCHED`: the camelCase names, in row order)."""
+class SchedulerStats:
+    """A rank's own scheduler stats for one iteration (vLLM's word), named in records as TensorRT-LLM's
+    iteration stats where one exists (`SCHED`: the camelCase names, in row order)."""
 
     step_us: int = 0
     num_scheduled_requests: int = 0
@@ -44,7 +44,7 @@ class StepFigures:
     pinned_mem_usage: int = 0
 
 
-SCHED = tuple(camel(f.name) for f in fields(StepFigures))
+SCHED = tuple(camel(f.name) for f in fields(SchedulerStats))
 KV_STATS_INDEX = {k: i for i, k in enumerate(KV_STATS)}
 SCHED_INDEX = {k: i for i, k in enumerate(SCHED)}
 assert len(COUNTER_KEYS) == NUM_COUNTERS

@@ -41,7 +41,7 @@ from engine.messages import ADMITTED, Admitted, GroupState
 from engine.placement import Router, group_load, waiting_blocks
 from engine.recovery import GroupRecovery, Orphans
 from engine.request_times import RequestRecorder
-from engine.scheduler import Group, Request, TokenEvent, apply_result, figures, plan_group, share_cores
+from engine.scheduler import Group, Request, TokenEvent, apply_result, engine_stats, plan_group, share_cores
 from engine.stats_channel import StatsChannel
 from engine.transport import StepFailure, Transport, step_all
 from workers.model_setting import check_model, load_tokenizer
@@ -116,12 +116,12 @@ class Engine(EngineLifecycle, GroupRecovery):
         check_request(prompt_token_ids, params.max_tokens, self.vocab_size, self.max_model_len, self.max_seq_len)
 
     async def generate(self, request_id: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                       cache_salt: str | None = None, announce: bool = False, drawn: int = 0,
+                       cache_salt: str | None = None, announce: bool = False, num_output_tokens: int = 0,
                        placed: tuple[int, int, int] | None = None) -> AsyncIterator[TokenEvent | Admitted]:
         """Stream a request's tokens; closing the iterator (the client went away) aborts it. `announce`:
         `ADMITTED` first, once the request is admitted (the ingress answers a refusal before any response starts).
-        `drawn`, `placed`: as in `submit`."""
-        req = self.submit(request_id, prompt_token_ids, params, cache_salt, drawn, placed)
+        `num_output_tokens`, `placed`: as in `submit`."""
+        req = self.submit(request_id, prompt_token_ids, params, cache_salt, num_output_tokens, placed)
         try:
             if announce:
                 yield ADMITTED
@@ -132,10 +132,11 @@ class Engine(EngineLifecycle, GroupRecovery):
                 self.abort(req.id)
 
     def submit(self, request_id: str | None, prompt_token_ids: list[int], params: SamplingParams,
-               cache_salt: str | None = None, drawn: int = 0, placed: tuple[int, int, int] | None = None) -> Request:
+               cache_salt: str | None = None, num_output_tokens: int = 0,
+               placed: tuple[int, int, int] | None = None) -> Request:
         """Admit a request, or refuse it at once: RequestError (bad input), Overloaded (the waiting queue is
-        full), EngineError (no dp group can ever take it, or shutting down). `drawn`: tokens another engine
-        already sampled for it (the ingress re-sends a dead replica's request as prompt + those tokens), so a
+        full), EngineError (no dp group can ever take it, or shutting down). `num_output_tokens`: tokens another
+        engine already sampled for it (the ingress re-sends a dead replica's request as prompt + those tokens), so a
         seeded sampler draws on where it was. `placed`: (dp group, prompt blocks it holds, prompt tokens past them
         its rank reuses in part) as the fleet's router chose them; the request goes there while that group is up,
         else where this engine's routing puts it."""
@@ -155,9 +156,11 @@ class Engine(EngineLifecycle, GroupRecovery):
         if params.min_tokens and not params.all_stop_token_ids:  # what the ranks' samplers hold back until then
             eos = () if params.ignore_eos else tuple(self.tokenizer.eos_token_ids)
             params = dataclasses.replace(params, all_stop_token_ids=eos + params.stop_token_ids)
-        if isinstance(drawn, bool) or not isinstance(drawn, int) or not 0 <= drawn < len(prompt_token_ids):
-            raise RequestError(f"drawn must be an integer in [0, {len(prompt_token_ids)}), got {drawn!r}")
-        req = Request(rid, list(prompt_token_ids), params, cache_salt, params.max_tokens, drawn=drawn)
+        n = num_output_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < len(prompt_token_ids):
+            raise RequestError(f"num_output_tokens must be an integer in [0, {len(prompt_token_ids)}), got {n!r}")
+        req = Request(rid, list(prompt_token_ids), params, cache_salt, params.max_tokens,
+                      num_output_tokens=n)
         if placed is not None:
             worth = self.router.partial_worth if placed[2] else 0  # the block its rank reuses in part, if any
             req.placed, req.fleet_predicted = placed[0], self.router.predicted(placed[1]) + worth
@@ -283,7 +286,7 @@ class Engine(EngineLifecycle, GroupRecovery):
                     self._apply(self._groups[dp], res)
             requests = self.recorder.take(self._groups)
             if self.stats is not None:
-                engine = figures(self._groups, plans, self.config, self._completed)
+                engine = engine_stats(self._groups, plans, self.config, self._completed)
                 self.stats.put(Iteration(self.iteration, time.time(), deltas, missing, engine,
                                          self.router.take_record(), requests))
             self.iteration += 1

@@ -16,7 +16,8 @@ class GenerateRequest:
 
     `token_ids`: the prompt (on a re-send, the prompt and the tokens already received); `params`: its
     `workers.sampling_params.SamplingParams` (on a re-send, `max_tokens` less those); `request_id` (None: the
-    engine names it); `cache_salt`; `drawn`: tokens already sampled (Engine.submit). `prompt`: the text Ray Serve
+    engine names it); `cache_salt`; `num_output_tokens`: how many of `token_ids` are output already sampled (a
+    re-send; Engine.submit). `prompt`: the text Ray Serve
     LLM's PrefixCacheAffinityRouter reads (a `prompt` attribute of any positional argument: a chat's templated
     text), set only for it. `KVFleetRouter` keys and weighs `token_ids`, `cache_salt` and `max_tokens`, and writes
     `engine`, `dp`, `blocks` (the prompt blocks the group holds), `partial` (the prompt tokens past them its rank
@@ -26,7 +27,7 @@ class GenerateRequest:
     params: Any = None
     request_id: str | None = None
     cache_salt: str | None = None
-    drawn: int = 0
+    num_output_tokens: int = 0
     prompt: str = ""
     engine: str | None = None
     dp: int = -1

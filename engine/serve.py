@@ -65,7 +65,7 @@ class KVFleetEngine:
         chose for this engine on `req`, if it did."""
         placed = req.placed(self._engine.config.engine_id)
         events = self._engine.generate(req.request_id, req.token_ids, req.params, req.cache_salt, announce=True,
-                                       drawn=req.drawn, placed=placed)
+                                       num_output_tokens=req.num_output_tokens, placed=placed)
         if placed is not None:  # from the next report on, the router finds it in this engine's load and room
             # popped and put back: the dict's order is the routers' last update, the first one the stalest
             self._tickets[req.router] = max(req.ticket, self._tickets.pop(req.router, -1))

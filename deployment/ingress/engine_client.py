@@ -48,9 +48,9 @@ class EngineClient:
 
         text = self.tokenizer.decode(prompt_token_ids) if self.routing == "prefix_affinity" else ""
 
-        def send(rid: str | None, prompt: list[int], left: Any, drawn: int) -> Any:
+        def send(rid: str | None, prompt: list[int], left: Any, num_output_tokens: int) -> Any:
             # a re-send is routed anew (`kv`), by what it is now: prompt + tokens so far
-            return self._stream.generate.remote(GenerateRequest(prompt, left, rid, cache_salt, drawn, text))
+            return self._stream.generate.remote(GenerateRequest(prompt, left, rid, cache_salt, num_output_tokens, text))
 
         events = resending(send, request_id, prompt_token_ids, params, self.resend_s, self.resend_s)
         try:

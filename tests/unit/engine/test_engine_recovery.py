@@ -267,7 +267,7 @@ def test_a_rank_adopted_by_a_new_engine_keeps_its_cache_and_counts_from_its_adop
     records still sum to the cumulative). A rank set up for other settings is not taken."""
     from dataclasses import fields
 
-    from aggregator.delta import StepFigures
+    from aggregator.delta import SchedulerStats
     from workers.step import NewRequest, StepPlan, Work
 
     async def main():
@@ -287,7 +287,7 @@ def test_a_rank_adopted_by_a_new_engine_keeps_its_cache_and_counts_from_its_adop
         at = w.kv.get_kv_cache_stats()
         new = NewRequest("after", prompt, SamplingParams(max_tokens=1, temperature=0.0), None)
         res = w.step(StepPlan(eng.iteration + 1, [new], [Work("after", len(prompt))], record=True))
-        n = len(fields(StepFigures))
+        n = len(fields(SchedulerStats))
         kv = res.delta.row[-n - 8:-n].tolist()  # KvCacheStats: 4 gauges, then alloc total/new, reused, missed
         now = w.kv.get_kv_cache_stats()
         assert kv[4:] == [now.alloc_total_blocks - at.alloc_total_blocks, now.alloc_new_blocks - at.alloc_new_blocks,
