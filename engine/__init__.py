@@ -6,6 +6,8 @@ Modules, lowest first:
 - `errors`: the request rules and `RequestError` (400), `RequestFailed` (500), `EngineError` (503),
   `Overloaded` (429).
 - `config`: `EngineConfig`, the engine's typed, frozen settings (built once from `deployment.settings`).
+- `messages`: what a generate call carries from the ingress through Serve's request router (`GenerateRequest`),
+  and the engine's typed answers (`EngineInfo`, `EngineHealth`, `FollowReport`).
 - `scheduler`: a dp group's queues, the rule that plans its step, and how its result moves the requests on.
 - `kv_index`, `kv_stream`, `kv_publisher`, `placement`: the block index from the ranks' KV events, the
   /kv_events stream, the same events over ZMQ in vLLM's wire format, and the router that places each request
@@ -19,7 +21,6 @@ Modules, lowest first:
 - `lifecycle`: the engine's start (its aggregator checked, a dead predecessor's groups taken over, the rest
   launched and warmed up) and its shutdown.
 - `core`: `Engine`, the step loop over dp groups.
-- `messages`: what a generate call carries from the ingress through Serve's request router (`GenerateRequest`).
 - `serve`: `KVFleetEngine`, the engine's Serve deployment around `Engine` (the only module here that imports
   Serve).
 """

@@ -23,7 +23,6 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 from aggregator.delta import Iteration
 from engine.backoff import backoff_s
@@ -37,7 +36,7 @@ from engine.errors import (
     one_line,
 )
 from engine.lifecycle import EngineLifecycle
-from engine.messages import ADMITTED, Admitted, GroupState
+from engine.messages import ADMITTED, Admitted, EngineHealth, GroupState
 from engine.placement import Router, group_load, waiting_blocks
 from engine.recovery import GroupRecovery, Orphans
 from engine.request_times import RequestRecorder
@@ -206,7 +205,7 @@ class Engine(EngineLifecycle, GroupRecovery):
         return [GroupState(g.down is None and not g.stays_down, group_load(g),
                            self.router.free[dp] - waiting_blocks(g, B)) for dp, g in enumerate(self._groups)]
 
-    async def health(self) -> dict[str, Any]:
+    async def health(self) -> EngineHealth:
         """The engine's state; raises EngineError (an HTTP 503) while no dp group serves."""
         if self.error:
             raise EngineError(self.error, RETRY_AFTER_DOWN_S)
@@ -215,10 +214,9 @@ class Engine(EngineLifecycle, GroupRecovery):
             raise EngineError("no dp group is up: " + "; ".join(f"group {dp}: {why}" for dp, why in down.items()),
                               RETRY_AFTER_DOWN_S)
         groups = {str(dp): g.health(dp in self._restarting) for dp, g in enumerate(self._groups)}
-        return {"ok": True, "ranks": self.world_size, "iteration": self.iteration, "steps": self.steps,
-                "running": sum(len(g.running) for g in self._groups),
-                "waiting": len(self._orphans) + sum(len(g.waiting) for g in self._groups),
-                "down_groups": down, "groups": groups}
+        return EngineHealth(True, self.world_size, self.iteration, self.steps,
+                            sum(len(g.running) for g in self._groups),
+                            len(self._orphans) + sum(len(g.waiting) for g in self._groups), down, groups)
 
     # ---- placement ---------------------------------------------------------------------------------------------
     def _place(self, req: Request, front: bool = False) -> None:

@@ -39,12 +39,12 @@ class EngineLifecycle:
         self.aggregator = get_or_create_aggregator(s.engine_id, self.world_size, s.tp, s.stats_buffer_size,
                                                    s.engine_resource, lifetime="detached")
         health = await self.aggregator.health.remote()
-        if (health["world_size"], health["tp"]) != (self.world_size, s.tp):
+        if (health.world_size, health.tp) != (self.world_size, s.tp):
             raise EngineError(
                 f"a stats aggregator for engine {s.engine_id!r} already runs with world_size "
-                f"{health['world_size']} and tp {health['tp']}, but this engine has {self.world_size} ranks "
+                f"{health.world_size} and tp {health.tp}, but this engine has {self.world_size} ranks "
                 f"(tp {s.tp}): use another engine_id, or stop the old engine first")
-        self.iteration = first_iteration(health.get("last_iter"))
+        self.iteration = first_iteration(health.last_iter)
         left = ranks.left_behind(s.engine_id)  # what a previous engine of this id left (its replica died)
         adopted = await self._adopt_all(left)  # its live groups, taken over
         ranks.remove_leftovers(s.engine_id, left, list(adopted.values()))  # the rest

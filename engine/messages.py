@@ -1,7 +1,7 @@
 """The messages between the ingress, Serve's request router and the engine deployment (no torch, no Ray): what
 a generate call carries, which the router reads and decides on (`GenerateRequest`), the first thing its stream yields
 (`Admitted`), what the engine tells the ingress once, at its start (`EngineInfo`), and its answer to the fleet
-router's long poll (`FollowReport`, with each dp group's `GroupState`)."""
+router's long poll (`FollowReport`, with each dp group's `GroupState`), and its `health` (`EngineHealth`)."""
 
 from __future__ import annotations
 
@@ -74,6 +74,36 @@ class GroupState:
     up: bool
     load: int
     room: int
+
+
+@dataclass(frozen=True)
+class GroupHealth:
+    """One dp group in the engine's health: up or why not, its failures in a row and restarts, whether it is
+    restarting, stays down, or waits for resources to place its ranks (`pending`), and its node."""
+
+    up: bool
+    down: str | None
+    failures: int
+    restarts: int
+    restarting: bool
+    stays_down: bool
+    pending: bool
+    node_id: str | None
+
+
+@dataclass(frozen=True)
+class EngineHealth:
+    """The engine's answer to `health` while some dp group serves (none: it raises EngineError, a 503): the
+    /health `engine` object, field for field. Groups are keyed by dp rank as a string, as in JSON."""
+
+    ok: bool
+    ranks: int
+    iteration: int
+    steps: int
+    running: int
+    waiting: int
+    down_groups: dict[str, str]
+    groups: dict[str, GroupHealth]
 
 
 @dataclass

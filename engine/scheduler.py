@@ -17,6 +17,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.errors import RequestFailed
+from engine.messages import GroupHealth
 from engine.request_times import RequestTimes
 from workers.sampling_params import SamplingParams
 from workers.step import NewRequest, StepPlan, StepResult, Work
@@ -85,9 +86,9 @@ class Group:
     def load(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    def health(self, restarting: bool) -> dict[str, Any]:
-        return {"up": self.down is None, "down": self.down, "failures": self.failures, "restarts": self.restarts,
-                "restarting": restarting, "stays_down": self.stays_down, "pending": self.pending, "node_id": self.node}
+    def health(self, restarting: bool) -> GroupHealth:
+        return GroupHealth(self.down is None, self.down, self.failures, self.restarts, restarting, self.stays_down,
+                           self.pending, self.node)
 
     def finish(self, req: Request) -> None:
         """A request is done (finished or failed): off the group, closed on its ranks next step."""

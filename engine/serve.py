@@ -14,7 +14,7 @@ from typing import Any
 from ray import serve
 
 from engine.errors import EngineError
-from engine.messages import EngineInfo, FollowReport, GenerateRequest
+from engine.messages import EngineHealth, EngineInfo, FollowReport, GenerateRequest
 
 logger = logging.getLogger("kvfleet.deployment")
 
@@ -75,7 +75,7 @@ class KVFleetEngine:
             async for ev in events:
                 yield ev
 
-    async def health(self) -> dict[str, Any]:
+    async def health(self) -> EngineHealth:
         return await self._engine.health()
 
     async def kv_events(self, after: str | None, timeout_s: float,

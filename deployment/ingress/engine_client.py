@@ -9,7 +9,7 @@ from ray.serve.handle import DeploymentHandle
 from deployment.ingress.resend import resending
 from deployment.router.fleet_view import FleetFollower, fleet_view
 from engine.errors import RETRY_AFTER_DOWN_S, EngineError, RequestError, RequestFailed, check_request
-from engine.messages import EngineInfo, GenerateRequest
+from engine.messages import EngineHealth, EngineInfo, GenerateRequest
 
 _ENGINE_ERRORS = (RequestError, EngineError, RequestFailed)
 
@@ -61,7 +61,7 @@ class EngineClient:
         finally:
             await events.aclose()  # a client that left (or a stop string) aborts the engine's request
 
-    async def health(self) -> dict[str, Any]:
+    async def health(self) -> EngineHealth:
         try:
             return await self._h.health.remote()
         except Exception as e:

@@ -2,6 +2,8 @@
 
 from typing import Any
 
+from aggregator.messages import AggregatorHealth, RankHealth
+
 
 class AggregatorClient:
     """The mirror's upstream: the StatsAggregator actor handle, given (the engine named it), or found by the
@@ -36,7 +38,7 @@ class AggregatorClient:
     async def wait_records(self, since: int, timeout_s: float) -> list[dict]:
         return await self._call("wait_records", since, timeout_s=timeout_s)
 
-    async def ranks(self) -> dict:
+    async def ranks(self) -> dict[str, RankHealth]:
         return await self._call("ranks")
 
     async def kv_cache_stats(self) -> dict:
@@ -45,5 +47,5 @@ class AggregatorClient:
     async def metrics_text(self) -> str:
         return await self._call("metrics_text")
 
-    async def health(self) -> dict:
+    async def health(self) -> AggregatorHealth:
         return await self._call("health")

@@ -27,7 +27,7 @@ def test_a_tiny_temperature_is_greedy_and_the_engine_goes_on():
         greedy = await generate(eng, PROMPT, max_tokens=4, temperature=0.0)
         assert await generate(eng, PROMPT, max_tokens=4, temperature=1e-40) == greedy
         assert await generate(eng, PROMPT, max_tokens=4, temperature=0.0) == greedy
-        assert (await eng.health())["ok"]
+        assert (await eng.health()).ok
 
     assert SamplingParams(temperature=1e-6).greedy and not SamplingParams(temperature=1e-4).greedy
     run(main())
