@@ -36,7 +36,7 @@ from engine.errors import (
     one_line,
 )
 from engine.lifecycle import EngineLifecycle
-from engine.messages import ADMITTED, Admitted, EngineHealth, GroupState
+from engine.messages import ADMITTED, Admitted, EngineHealth, GroupState, KVStreamEvent
 from engine.placement import Router, group_load, waiting_blocks
 from engine.recovery import GroupRecovery, Orphans
 from engine.request_times import RequestRecorder
@@ -195,8 +195,8 @@ class Engine(EngineLifecycle, GroupRecovery):
             self._poke()
         log.info("request %s aborted after %d tokens", request_id, len(req.generated))
 
-    async def kv_events(self, after: str | None, timeout_s: float) -> list[tuple[str, dict]]:
-        """Long poll of the /kv_events stream (engine/kv_stream.py): (id, vLLM-shaped event) after `after`."""
+    async def kv_events(self, after: str | None, timeout_s: float) -> list[KVStreamEvent]:
+        """Long poll of the KV event stream (engine/kv_stream.py): its events after `after`."""
         return await self.router.stream.wait(after, timeout_s)
 
     def groups_state(self) -> list[GroupState]:

@@ -1,12 +1,16 @@
 """The messages between the ingress, Serve's request router and the engine deployment (no torch, no Ray): what
 a generate call carries, which the router reads and decides on (`GenerateRequest`), the first thing its stream yields
 (`Admitted`), what the engine tells the ingress once, at its start (`EngineInfo`), and its answer to the fleet
-router's long poll (`FollowReport`, with each dp group's `GroupState`), and its `health` (`EngineHealth`)."""
+router's long poll (`FollowReport`, with each dp group's `GroupState` and its `KVStreamEvent`s), and its `health`
+(`EngineHealth`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from kvcache.events import KVEvent
 
 
 @dataclass
@@ -106,15 +110,29 @@ class EngineHealth:
     groups: dict[str, GroupHealth]
 
 
+class KVStreamEvent(NamedTuple):
+    """One event of an engine's KV event stream (engine/kv_stream.py): one vLLM KV event of /kv_events, typed.
+    `id` names it for a resume; `events` are what it stands for as a `KVIndex` applies them (one rank event, or
+    a snapshot's blocks of one tier; a salted block's carry no tokens and no salt: the tenant's prompt never
+    leaves); `resync` marks a snapshot's `AllBlocksCleared`. The fleet's router applies `events` as they are;
+    /kv_events shows the vLLM shape (`kv_stream.vllm_event`)."""
+
+    id: str
+    dp: int
+    ts: float
+    events: tuple[KVEvent, ...]
+    resync: bool = False
+
+
 @dataclass
 class FollowReport:
     """An engine replica's answer to the fleet router's long poll (`KVFleetEngine.follow`): its KV events after
-    the id asked, as (id, vLLM-shaped event); its groups' state; the newest ticket of each router it admitted.
-    Only `replica` is set when the call reached another replica than the one asked."""
+    the id asked; its groups' state; the newest ticket of each router it admitted. Only `replica` is set when
+    the call reached another replica than the one asked."""
 
     replica: str
     engine: str | None = None
     block_size: int = 0
-    events: list[tuple[str, dict]] = field(default_factory=list)
+    events: list[KVStreamEvent] = field(default_factory=list)
     groups: list[GroupState] = field(default_factory=list)
     tickets: dict[str, int] = field(default_factory=dict)

@@ -14,6 +14,7 @@ from typing import Any
 from ray import serve
 
 from engine.errors import EngineError
+from engine.kv_stream import vllm_events
 from engine.messages import EngineHealth, EngineInfo, FollowReport, GenerateRequest
 
 logger = logging.getLogger("kvfleet.deployment")
@@ -85,7 +86,7 @@ class KVFleetEngine:
         if replica is not None and replica != serve.get_replica_context().replica_id.unique_id:
             raise EngineError(f"engine {self._engine.config.engine_id!r} answered for replica {replica}, which "
                               "is not up: retry")
-        return await self._engine.kv_events(after, timeout_s)
+        return vllm_events(await self._engine.kv_events(after, timeout_s), self._engine.config.cache.tokens_per_block)
 
     async def follow(self, after: str | None, timeout_s: float, replica: str | None = None) -> FollowReport:
         """The fleet's `kv` router's long poll (deployment/router/fleet_view.py): this engine's KV events after

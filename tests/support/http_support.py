@@ -19,7 +19,7 @@ from deployment.ingress.api.routes import create_api
 from deployment.ingress.stats.mirror import StatsMirror
 from deployment.settings import Settings
 from engine.errors import EngineError, Overloaded, RequestError, RequestFailed, check_request
-from engine.kv_stream import KVEventStream
+from engine.kv_stream import KVEventStream, vllm_events
 from engine.messages import ADMITTED, EngineHealth
 from workers.tokenizer import ByteTokenizer
 
@@ -68,7 +68,7 @@ class FakeEngine:
         return EngineHealth(True, 2, 0, 0, 0, 0, {}, {})
 
     async def kv_events(self, after: str | None, timeout_s: float) -> list:
-        return await self.kv_stream.wait(after, min(timeout_s, 0.3))
+        return vllm_events(await self.kv_stream.wait(after, min(timeout_s, 0.3)), self.kv_stream.block_size)
 
     async def generate(self, request_id: str, ids: list[int], params, cache_salt=None):
         self.started.append(request_id)

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import ray
 
 from deployment.router.fleet_view import SENT_S, FleetFollower, FleetView, Sent, place
-from engine.messages import ADMITTED, FollowReport, GenerateRequest
-from kvcache.events import prompt_keys
+from engine.messages import ADMITTED, FollowReport, GenerateRequest, KVStreamEvent
+from kvcache.events import REMOVED, KVEvent, prompt_keys
 from tests.support.engine_harness import make_engine, settled, until
 from workers.sampling_params import SamplingParams
 
@@ -213,15 +213,15 @@ def test_an_event_that_does_not_fit_asks_for_a_snapshot():
         fleet = await two_engines()
         rid, _ = await fleet.ask(TENANT_A + [200])
         view = fleet.view.replicas[rid]
-        bogus = {"type": "BlockRemoved", "block_hashes": [12345], "medium": "GPU", "dp_rank": 0}
-        assert fleet.follower._apply(rid, FollowReport(rid, view.engine, B, [("x-1", bogus)],
+        bogus = KVStreamEvent("x-1", 0, 0.0, (KVEvent(REMOVED, 12345),))  # an unknown block removed
+        assert fleet.follower._apply(rid, FollowReport(rid, view.engine, B, [bogus],
                                                        view.groups)) is None  # resume from a snapshot
         assert view.index.resync[0]
         fleet.after[rid] = None
         await fleet.sync()
         assert view.index.blocks == fleet.engines[rid].router.index.blocks and not view.index.resync[0]
-        malformed = {"type": "BlockShuffled", "dp_rank": 0}
-        assert fleet.follower._apply(rid, FollowReport(rid, view.engine, B, [("x-2", malformed)],
+        malformed = KVStreamEvent("x-2", 0, 0.0, (KVEvent(99),))  # a kind this stream never sends
+        assert fleet.follower._apply(rid, FollowReport(rid, view.engine, B, [malformed],
                                                        view.groups)) is None
 
     run(main())

@@ -5,6 +5,7 @@ import asyncio
 import pytest
 
 from engine.errors import RequestFailed
+from engine.kv_stream import vllm_events
 from kvcache.events import REMOVED, KVEvent, key_of, prompt_keys
 from tests.support.engine_harness import generate, make_engine, settled
 from tests.support.kvcache_helpers import tree_blocks
@@ -133,7 +134,7 @@ def test_a_step_that_raises_on_a_live_rank_resyncs_the_index_and_the_stream():
         stream = eng.router.stream
         await served(eng, TENANT_B + [200])  # the index is in step with the rank (its first snapshot is in)
         assert not eng.router.index.resync[0]
-        got = stream.since(None)  # a /kv_events client follows the stream
+        got = vllm_events(stream.since(None), B)  # a /kv_events client follows the stream
         view = [{}]
         fold(view, got)
         worker = eng.rank_workers[0]
@@ -154,7 +155,7 @@ def test_a_step_that_raises_on_a_live_rank_resyncs_the_index_and_the_stream():
         held = tree_blocks(worker.kv)
         assert eng.router.index.prefix(0, prompt_keys(TENANT_A, B))[0] > 0  # the failed step's blocks, too
         assert eng.router.index.blocks[0] == held
-        fold(view, stream.since(got[-1][0]))
+        fold(view, vllm_events(stream.since(got[-1][0]), B))
         assert view[0] == {k: ("GPU", "CPU")[t] for k, t in held.items()}
 
     run(main())
@@ -180,7 +181,7 @@ def test_a_salted_prompt_never_leaves_the_engine_on_kv_events():
         eng.router.drop_group(0)  # the next step publishes the rank's snapshot of every block it holds
         await served(eng, TENANT_B + [201])
         mine = salted_keys(eng.rank_workers[0].kv, "tenant-a")
-        events = [ev for _, ev in stream.buffer] + [ev for _, ev in stream.since(None)]  # live + snapshots
+        events = [ev for _, ev in vllm_events([*stream.buffer, *stream.since(None)], B)]  # live + snapshots
         stored = [ev for ev in events if ev["type"] == "BlockStored"]
         salted = [ev for ev in stored if set(ev["block_hashes"]) & mine]
         assert len(salted) > len(mine)  # every salted block, live and in both snapshots, by its hash

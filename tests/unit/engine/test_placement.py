@@ -6,7 +6,7 @@ from aggregator.assembler import Assembler
 from aggregator.delta import Iteration
 from aggregator.metrics import render_metrics
 from deployment.settings import Settings
-from engine.kv_stream import KVEventStream
+from engine.kv_stream import KVEventStream, vllm_events
 from engine.placement import TOP_SALTS, Router, group_load, salt_label
 from engine.scheduler import Group, Request
 from kvcache.events import CLEARED, MOVED, REMOVED, STORED, KVEvent, block_key, prompt_keys
@@ -131,6 +131,11 @@ def stream(capacity=100) -> KVEventStream:
     return s
 
 
+def since(s: KVEventStream, after: str | None) -> list[tuple[str, dict]]:
+    """What /kv_events shows of the events after `after`: (id, vLLM-shaped event)."""
+    return vllm_events(s.since(after), s.block_size)
+
+
 def ids(s: KVEventStream, seqs) -> list[str]:
     return [f"{s.incarnation}-{n}" for n in seqs]
 
@@ -140,26 +145,26 @@ def test_the_stream_resumes_without_a_gap_in_vllm_shape():
     s.publish(0, [KVEvent(STORED, 1, None, tuple(range(16)), 0), KVEvent(STORED, 2, 1, tuple(range(16)), 0)])
     s.publish(1, [KVEvent(MOVED, 5, tier=1), KVEvent(REMOVED, 6, tier=1), KVEvent(CLEARED)])
     start = ids(s, [0])[0]
-    assert [i for i, _ in s.since(start)] == ids(s, range(1, 7))  # a move is removed from GPU + stored on CPU
-    assert [e["type"] for _, e in s.since(start)] == ["BlockStored", "BlockStored", "BlockRemoved", "BlockStored",
+    assert [i for i, _ in since(s, start)] == ids(s, range(1, 7))  # a move is removed from GPU + stored on CPU
+    assert [e["type"] for _, e in since(s, start)] == ["BlockStored", "BlockStored", "BlockRemoved", "BlockStored",
                                                       "BlockRemoved", "AllBlocksCleared"]
-    first = s.since(start)[1][1]
+    first = since(s, start)[1][1]
     assert first["block_hashes"] == [2] and first["parent_block_hash"] == 1 and first["block_size"] == B
     assert first["medium"] == "GPU" and first["dp_rank"] == 0 and len(first["token_ids"]) == 16
-    assert s.since(start)[2][1]["medium"] == "GPU" and s.since(start)[3][1]["medium"] == "CPU"
+    assert since(s, start)[2][1]["medium"] == "GPU" and since(s, start)[3][1]["medium"] == "CPU"
     for k in range(7):  # any resume point gives exactly what came after it
-        assert [i for i, _ in s.since(ids(s, [k])[0])] == ids(s, range(k + 1, 7))
+        assert [i for i, _ in since(s, ids(s, [k])[0])] == ids(s, range(k + 1, 7))
 
 
 def test_a_client_too_far_behind_gets_an_explicit_resync():
     s = stream(capacity=2)
     s.publish(0, [KVEvent(STORED, k) for k in range(1, 6)])
-    assert [i for i, _ in s.since(ids(s, [3])[0])] == ids(s, [4, 5])
-    got = s.since(ids(s, [1])[0])  # events 2 and 3 are gone
+    assert [i for i, _ in since(s, ids(s, [3])[0])] == ids(s, [4, 5])
+    got = since(s, ids(s, [1])[0])  # events 2 and 3 are gone
     assert [e["type"] for _, e in got] == ["AllBlocksCleared", "BlockStored", "BlockStored", "AllBlocksCleared"]
     assert got[0][1]["resync"] and {i for i, _ in got} == set(ids(s, [5]))
     assert got[1][1]["block_hashes"] == [7] and got[2][1]["medium"] == "CPU"
-    assert s.since(None)[0][1]["resync"]  # a new client starts from a snapshot too
+    assert since(s, None)[0][1]["resync"]  # a new client starts from a snapshot too
 
 
 def test_an_id_of_another_engines_stream_resyncs_however_far_its_seq_got():
@@ -167,25 +172,25 @@ def test_an_id_of_another_engines_stream_resyncs_however_far_its_seq_got():
     once the new stream's seq has passed the old one's."""
     old = stream()
     old.publish(0, [KVEvent(STORED, k) for k in range(100, 105)])
-    stale = old.since(ids(old, [0])[0])[-1][0]  # a client followed the old engine up to its 5th event
+    stale = since(old, ids(old, [0])[0])[-1][0]  # a client followed the old engine up to its 5th event
     new = stream()
     assert new.incarnation != old.incarnation
     new.publish(0, [KVEvent(STORED, k) for k in range(200, 210)])
-    got = new.since(stale)
+    got = since(new, stale)
     assert got[0][1]["type"] == "AllBlocksCleared" and got[0][1]["resync"]  # not events 6..10 of the new one
     assert {i for i, _ in got} == set(ids(new, [10]))
-    later = new.since(got[-1][0])  # resuming from the resync's id is exact from then on
+    later = since(new, got[-1][0])  # resuming from the resync's id is exact from then on
     new.publish(0, [KVEvent(STORED, 300)])
-    assert later == [] and [i for i, _ in new.since(got[-1][0])] == ids(new, [11])
+    assert later == [] and [i for i, _ in since(new, got[-1][0])] == ids(new, [11])
     for bad in ("5", "-1", "", f"{new.incarnation}-x", f"{new.incarnation}-99", f"{new.incarnation}--3"):
-        assert new.since(bad)[0][1]["resync"], bad  # malformed, or beyond the newest: a resync
+        assert since(new, bad)[0][1]["resync"], bad  # malformed, or beyond the newest: a resync
 
 
 def test_a_stream_nobody_listens_to_converts_nothing():
     s = KVEventStream(10, B, types.SimpleNamespace(blocks=[{}]))
     s.publish(0, [KVEvent(STORED, 1)])
     assert not s.buffer and s.exact_from == s.seq == 1  # a marked gap: a later client resyncs
-    assert s.since(ids(s, [0])[0])[0][1]["resync"]
+    assert since(s, ids(s, [0])[0])[0][1]["resync"]
 
 
 def test_a_salt_label_does_not_let_a_reader_hash_the_salts_prompts():
