@@ -9,9 +9,11 @@ Modules, lowest first:
 - `messages`: what a generate call carries from the ingress through Serve's request router (`GenerateRequest`),
   and the engine's typed answers (`EngineInfo`, `EngineHealth`, `FollowReport`).
 - `scheduler`: a dp group's queues, the rule that plans its step, and how its result moves the requests on.
-- `kv_index`, `kv_stream`, `kv_publisher`, `placement`: the block index from the ranks' KV events, the
-  /kv_events stream, the same events over ZMQ in vLLM's wire format, and the router that places each request
-  on a dp group (kv, least_loaded, round_robin).
+- `kv_index`, `kv_stream`, `kv_publisher`, `routing_record`, `kv_hub`: the block index from the ranks' KV
+  events, the /kv_events stream, the same events over ZMQ in vLLM's wire format, the records' `routing` field
+  (predicted vs realized reuse), and the hub that feeds the first three from each step.
+- `placement`: which dp group a request goes to (kv, least_loaded, round_robin), and the `kv` rule the fleet's
+  router shares.
 - `ranks`: the rank actors' life cycle: one placement group per dp group; start, tp rendezvous, warm-up, stop.
 - `transport`: stepping: every live rank with its group's plan each iteration, over actor calls or one Ray
   Compiled Graph execution; a failed rank's step as a `StepFailure`.

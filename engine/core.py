@@ -35,11 +35,13 @@ from engine.errors import (
     check_request,
     one_line,
 )
+from engine.kv_hub import KVEventHub
 from engine.lifecycle import EngineLifecycle
 from engine.messages import ADMITTED, Admitted, EngineHealth, GroupState, KVStreamEvent
-from engine.placement import Router, group_load, waiting_blocks
+from engine.placement import Placement, group_load, waiting_blocks
 from engine.recovery import GroupRecovery, Orphans
 from engine.request_times import RequestRecorder
+from engine.routing_record import RoutingRecord
 from engine.scheduler import Group, Request, TokenEvent, apply_result, engine_stats, plan_group, share_cores
 from engine.stats_channel import StatsChannel
 from engine.transport import StepFailure, Transport, step_all
@@ -79,7 +81,9 @@ class Engine(EngineLifecycle, GroupRecovery):
         self.error: str | None = None
         self._pgs: list = []
         self._groups = [Group() for _ in range(c.dp)]
-        self.router = Router(c.routing, c.kv_events, c.cache.tokens_per_block, c.dp)
+        self.hub = KVEventHub(c.kv_events, c.routing.policy == "kv", c.cache.tokens_per_block, c.dp)
+        self.placement = Placement(c.routing, self.hub)
+        self.routing_record = RoutingRecord(c.routing.policy, c.dp, self.hub.index)
         self._requests: dict[str, Request] = {}
         # while no dp group is up; one that expires fails with a 503 (recovery.py) and is forgotten here
         self._orphans = Orphans(c.placement_timeout_s, lambda req: self._requests.pop(req.id, None))
@@ -161,8 +165,8 @@ class Engine(EngineLifecycle, GroupRecovery):
         req = Request(rid, list(prompt_token_ids), params, cache_salt, params.max_tokens,
                       num_output_tokens=n)
         if placed is not None:
-            worth = self.router.partial_worth if placed[2] else 0  # the block its rank reuses in part, if any
-            req.placed, req.fleet_predicted = placed[0], self.router.predicted(placed[1]) + worth
+            worth = self.placement.partial_worth if placed[2] else 0  # the block its rank reuses in part, if any
+            req.placed, req.fleet_predicted = placed[0], self.placement.predicted(placed[1]) + worth
         self._place(req)
         self._requests[rid] = req
         return req
@@ -197,13 +201,13 @@ class Engine(EngineLifecycle, GroupRecovery):
 
     async def kv_events(self, after: str | None, timeout_s: float) -> list[KVStreamEvent]:
         """Long poll of the KV event stream (engine/kv_stream.py): its events after `after`."""
-        return await self.router.stream.wait(after, timeout_s)
+        return await self.hub.stream.wait(after, timeout_s)
 
     def groups_state(self) -> list[GroupState]:
         """What the fleet's router weighs besides the blocks, per dp group (engine/messages.py)."""
         B = self.config.cache.tokens_per_block
         return [GroupState(g.down is None and not g.stays_down, group_load(g),
-                           self.router.free[dp] - waiting_blocks(g, B)) for dp, g in enumerate(self._groups)]
+                           self.hub.free[dp] - waiting_blocks(g, B)) for dp, g in enumerate(self._groups)]
 
     async def health(self) -> EngineHealth:
         """The engine's state; raises EngineError (an HTTP 503) while no dp group serves."""
@@ -226,7 +230,7 @@ class Engine(EngineLifecycle, GroupRecovery):
         fits = [dp for dp, g in enumerate(self._groups) if not g.stays_down and need <= self._limits[dp]]
         up = [dp for dp in fits if self._groups[dp].down is None]
         if up:
-            self.router.place(req, self._groups, up)  # sets req.dp (engine/placement.py)
+            self.placement.place(req, self._groups, up)  # sets req.dp
             waiting = self._groups[req.dp].waiting
             waiting.appendleft(req) if front else waiting.append(req)
             self._poke()
@@ -260,14 +264,15 @@ class Engine(EngineLifecycle, GroupRecovery):
         idle = 0  # steps in a row in which nothing moved
         while True:
             await self._wake.wait()
-            plans = [None if g.down else plan_group(g, self.iteration, self.config, self.router.cached_tokens)
+            plans = [None if g.down else plan_group(g, self.iteration, self.config,
+                                             self.placement.cached_tokens)
                      for g in self._groups]
             if self._cores:
                 share_cores(plans, self._groups, self._cores, max(1, int(self.config.num_cpus_per_rank)))
             if not any(p is not None and (p.new or p.work or p.close) for p in plans):
                 self._wake.clear()
                 continue
-            self.router.plan(plans)
+            self.hub.plan(plans)
             self._changed.clear()
             results, deltas, missing = await step_all(self.transport, len(self.workers), plans,
                                                             self.config.tp)
@@ -279,14 +284,15 @@ class Engine(EngineLifecycle, GroupRecovery):
                     progress = True
                 elif res is not None:
                     progress = progress or bool(res.ran or res.failed)
-                    self.router.observe(dp, res, self._requests)
+                    self.hub.observe(dp, res)
+                    self.routing_record.observe(dp, res, self._requests)
                     self.recorder.step(dp, res, self._requests)
                     self._apply(self._groups[dp], res)
             requests = self.recorder.take(self._groups)
             if self.stats is not None:
                 engine = engine_stats(self._groups, plans, self.config, self._completed)
                 self.stats.put(Iteration(self.iteration, time.time(), deltas, missing, engine,
-                                         self.router.take_record(), requests))
+                                         self.routing_record.take(), requests))
             self.iteration += 1
             self.steps += 1
             if self.error:

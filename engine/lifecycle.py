@@ -32,7 +32,7 @@ class EngineLifecycle:
         from aggregator import get_or_create_aggregator
 
         s = self.config
-        self.router.publisher.start()  # ZMQ KV events: a bad endpoint fails first, named
+        self.hub.publisher.start()  # ZMQ KV events: a bad endpoint fails first, named
         device = self._device = ranks.device_of(s)
         dtype = self._dtype = ranks.dtype_of(s, device)
         # detached: the aggregator (and the cluster's cumulative statistics) outlive this engine's replica
@@ -61,10 +61,10 @@ class EngineLifecycle:
             self._set_limit(dp, group.infos)
         self.vocab_size = self.rank_info[0]["vocab_size"]
         self.transport = make_transport(s.step_transport, self.workers)
-        self.router.reuse_table = self.rank_info[0]["reuse_table"]
-        self.router.partial_worth = self.rank_info[0]["partial_reuse_blocks"]
+        self.placement.reuse_table = self.rank_info[0]["reuse_table"]
+        self.placement.partial_worth = self.rank_info[0]["partial_reuse_blocks"]
         for dp, group in enumerate(launched):
-            self.router.group_started(dp, group.infos[0])
+            self.hub.group_started(dp, group.infos[0])
         if device == "cpu" and s.tp == 1:  # the cores a rank may take when no other group on its node steps
             self._cores = {info["node_id"]: info.get("cpus", 0) for info in self.rank_info}
         if s.cache.enable_stats:
@@ -129,6 +129,6 @@ class EngineLifecycle:
             await self.stats.close()
         if self.transport is not None:
             await self.transport.close()
-        await asyncio.to_thread(self.router.publisher.close)  # sends what is queued, for up to 1 s
+        await asyncio.to_thread(self.hub.publisher.close)  # sends what is queued, for up to 1 s
         self._stop(self.workers, self._pgs)
         self.workers, self._pgs = [], []

@@ -181,7 +181,7 @@ def test_a_bug_in_the_step_loop_fails_the_engine_and_its_health_instead_of_hangi
         def bug(plans):
             raise KeyError("a bug")
 
-        eng.router.plan = bug
+        eng.hub.plan = bug
         with pytest.raises(EngineError, match="step loop failed: KeyError"):
             await asyncio.wait_for(generate(eng, PROMPT, max_tokens=2), 10)
         assert eng.error and eng._loop_task.done()
