@@ -60,7 +60,7 @@ SLIVER = 0.001  # of a placement resource (`engine_resource`): it steers where t
 NAMESPACE = "kvfleet"  # the aggregator's Ray namespace: a new engine replica (or an operator) finds it by name
 # Whether kvfleet's own actors (the aggregator, the ranks) record Ray task events: off unless an operator turns on
 # Serve's switch for Serve's actors, as Serve does. The GCS keeps every task's events (up to 100,000) and every
-# /health probe is a call of each: on, the GCS grew ~100 task events a minute in the chaos soak. The per-step
+# /health probe is a call of each: on, they pile up in the GCS for as long as the app serves. The per-step
 # calls stay off even then (`@ray.method(enable_task_events=False)`).
 TASK_EVENTS = os.environ.get("RAY_SERVE_ENABLE_TASK_EVENTS", "0") == "1"
 

@@ -14,8 +14,8 @@ never go backwards; the gauges are the reference ranks' latest. The reference ra
 counters the merge takes (aggregator/merge.py): the lowest tp rank present, tp rank 0 on a healthy cluster. It
 must be the same rank: when tp rank 0 is killed mid-step and its tp peer still answers, the record's block
 counters are the peer's, and a cumulative that followed tp rank 0 alone would never count them (the dead
-incarnation reports no more, the new one starts at zero), so the cluster cumulative grew less than the record's
-counters (the chaos soak's iteration 14655, 20 blocks). Every rank's last snapshot is kept for that.
+incarnation reports no more, the new one starts at zero), so the cluster cumulative would grow less than the
+record's counters. Every rank's last snapshot is kept for that.
 """
 
 from __future__ import annotations

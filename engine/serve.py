@@ -35,8 +35,8 @@ ENGINE_HEALTH_CHECK_S = 1.0  # Serve's health check period of the engine replica
     ray_actor_options={"num_cpus": NUM_CPUS},
     max_constructor_retry_count=3,
     graceful_shutdown_timeout_s=30,
-    # how soon Serve's controller finds a dead replica (its default, 10 s, was most of a replica's recovery once
-    # the replacement took its ranks over): a check is one call that reads a field
+    # how soon Serve's controller finds a dead replica (its default, 10 s, would be most of a replica's recovery,
+    # as the replacement takes its ranks over): a check is one call that reads a field
     health_check_period_s=ENGINE_HEALTH_CHECK_S,
 )
 class KVFleetEngine:

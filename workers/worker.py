@@ -168,8 +168,7 @@ class RankWorker:
 
     # ---- the step -------------------------------------------------------------------------------------------
     # no task events: the GCS keeps up to 100,000 (task_events_max_num_task_in_gcs), and every rank's step is
-    # one, every iteration; they filled the GCS of the hour-long chaos soak (+135% RSS) and tell an operator
-    # nothing the stats stream does not
+    # one, every iteration; they would fill the GCS and tell an operator nothing the stats stream does not
     @ray.method(enable_task_events=False)
     def step(self, plan: StepPlan) -> StepResult:
         """One iteration: close, open the new requests, make room, forward, sample, commit, stats. A request
