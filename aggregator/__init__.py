@@ -7,6 +7,7 @@ Modules, lowest first:
 - `merge`: the merge rules of one iteration (tp dedup, dp sums, tpDivergence), pure.
 - `assembler`: records from iterations: dedupe, cumulative totals, the TensorRT-LLM fields, checkpoint state.
 - `buffer`: the ring of records readers page through; `metrics`: Prometheus text.
+- `messages`: the actor's typed replies (`Ack`, `AggregatorHealth`, `RankHealth`).
 - `actor`: the `StatsAggregator` Ray actor (ingest, readers, restart from its checkpoint).
 
 A delta's path: a rank's `step()` returns it with its step result; the engine forwards each iteration's

@@ -45,6 +45,7 @@ from aggregator.assembler import Assembler
 from aggregator.buffer import LongPoll, RecordBuffer
 from aggregator.delta import Iteration, RankDelta, RankLayout
 from aggregator.fields import POOL_VIEW, ROUTING_COUNTERS, VIEW_COUNTERS, WINDOW_VIEW
+from aggregator.messages import Ack, AggregatorHealth, RankHealth
 from aggregator.metrics import render_metrics
 from aggregator.vllm_metrics import VllmMetrics
 
@@ -59,7 +60,7 @@ SLIVER = 0.001  # of a placement resource (`engine_resource`): it steers where t
 NAMESPACE = "kvfleet"  # the aggregator's Ray namespace: a new engine replica (or an operator) finds it by name
 # Whether kvfleet's own actors (the aggregator, the ranks) record Ray task events: off unless an operator turns on
 # Serve's switch for Serve's actors, as Serve does. The GCS keeps every task's events (up to 100,000) and every
-# /health probe is a call of each: on, the GCS grew ~100 task events a minute in the chaos soak. The per-step
+# /health probe is a call of each: on, they pile up in the GCS for as long as the app serves. The per-step
 # calls stay off even then (`@ray.method(enable_task_events=False)`).
 TASK_EVENTS = os.environ.get("RAY_SERVE_ENABLE_TASK_EVENTS", "0") == "1"
 
@@ -153,8 +154,8 @@ class StatsAggregatorImpl:
         self._ckpt.save("state", {**self.asm.checkpoint(), "totals": self.totals, "completed": self.completed,
                                   "session": self.session, "vllm": self.vllm.to_state()})
 
-    def _reply(self) -> dict[str, Any]:
-        return {"epoch": self.asm.epoch, "acked": self.asm.last_emitted, "session": self.session}
+    def _reply(self) -> Ack:
+        return Ack(self.asm.epoch, self.asm.last_emitted, self.session)
 
     def _check_session(self, session: int | None) -> None:
         """Refuse a call of a replaced engine (None: an unfenced caller, tests and tools)."""
@@ -164,7 +165,7 @@ class StatsAggregatorImpl:
 
     # ---------------------------------------------------------------- the engine's calls
 
-    async def register(self, layouts: list[RankLayout], session: int | None = None) -> dict[str, Any]:
+    async def register(self, layouts: list[RankLayout], session: int | None = None) -> Ack:
         """Ranks' static layouts (once per incarnation), before their first deltas. Without a session it
         attaches a new engine: the reply's `session` fences every earlier engine off, its `acked` is the
         last iteration emitted (the new engine continues after it)."""
@@ -185,7 +186,7 @@ class StatsAggregatorImpl:
         return self._reply()
 
     @ray.method(enable_task_events=False)  # one call per engine step: as RankWorker.step, no task events
-    async def ingest(self, iterations: list[Iteration], session: int | None = None) -> dict[str, Any]:
+    async def ingest(self, iterations: list[Iteration], session: int | None = None) -> Ack:
         """Take iterations (deltas, or object refs of deltas) of the attached engine's `session`; the reply's
         `acked` is the newest iteration that a record holds and the checkpoint covers: the engine may forget
         everything up to it."""
@@ -296,7 +297,7 @@ class StatsAggregatorImpl:
         finally:
             self.subscribers -= 1
 
-    async def ranks(self) -> dict[str, dict[str, Any]]:
+    async def ranks(self) -> dict[str, RankHealth]:
         """Every rank's latest record and health: healthy = reported in the newest record."""
         now = time.time()
         out = {}
@@ -304,14 +305,11 @@ class StatsAggregatorImpl:
             latest = self.asm.latest.get(r)
             d, it, seen = latest if latest else (None, None, None)
             lay = self.asm.layouts.get((r, d.incarnation)) if d else None
-            out[str(r)] = {
-                "rank": r, "dp_rank": r // self.tp, "tp_rank": r % self.tp,
-                "incarnation": d.incarnation if d else None, "last_seen": seen,
-                "age_s": None if seen is None else now - seen,
-                "healthy": d is not None and r not in self.asm.missing,
-                "node_id": lay.node_id if lay else None, "node_ip": lay.node_ip if lay else None,
-                "record": self.asm.rank_record(d, it) if d else None,
-            }
+            out[str(r)] = RankHealth(
+                r, r // self.tp, r % self.tp, d.incarnation if d else None, seen,
+                None if seen is None else now - seen, d is not None and r not in self.asm.missing,
+                lay.node_id if lay else None, lay.node_ip if lay else None,
+                self.asm.rank_record(d, it) if d else None)
         return out
 
     async def kv_cache_stats(self) -> dict[str, Any]:
@@ -326,15 +324,12 @@ class StatsAggregatorImpl:
                 "ranks": await self.ranks(), "vllm": self.vllm.families()}
         return render_metrics(snap)
 
-    async def health(self) -> dict[str, Any]:
+    async def health(self) -> AggregatorHealth:
         ranks = await self.ranks()
-        return {
-            "ok": True, "engine_id": self.engine_id, "epoch": self.asm.epoch, "world_size": self.world_size,
-            "tp": self.tp, "last_iter": self.asm.last_emitted, "buffered": len(self.buffer),
-            "oldest_buffered_iter": self.buffer.oldest_iter(), "buffer_size": self.buffer.capacity,
-            "healthy_ranks": sum(r["healthy"] for r in ranks.values()), "counts": dict(self.asm.counts),
-            "uptime_s": time.time() - self.started,
-        }
+        return AggregatorHealth(
+            True, self.engine_id, self.asm.epoch, self.world_size, self.tp, self.asm.last_emitted, len(self.buffer),
+            self.buffer.oldest_iter(), self.buffer.capacity, sum(r.healthy for r in ranks.values()),
+            dict(self.asm.counts), time.time() - self.started)
 
 
 StatsAggregator = ray.remote(max_restarts=-1, max_task_retries=-1)(StatsAggregatorImpl)

@@ -14,8 +14,8 @@ never go backwards; the gauges are the reference ranks' latest. The reference ra
 counters the merge takes (aggregator/merge.py): the lowest tp rank present, tp rank 0 on a healthy cluster. It
 must be the same rank: when tp rank 0 is killed mid-step and its tp peer still answers, the record's block
 counters are the peer's, and a cumulative that followed tp rank 0 alone would never count them (the dead
-incarnation reports no more, the new one starts at zero), so the cluster cumulative grew less than the record's
-counters (the chaos soak's iteration 14655, 20 blocks). Every rank's last snapshot is kept for that.
+incarnation reports no more, the new one starts at zero), so the cluster cumulative would grow less than the
+record's counters. Every rank's last snapshot is kept for that.
 """
 
 from __future__ import annotations
@@ -259,10 +259,10 @@ class Assembler:
         _, _, kv, sched = lay.parts(d.row)
         stats = dict(zip(KV_STATS, kv.tolist(), strict=True))
         stats["cacheHitRate"] = hit_rate(stats["reusedBlocks"], stats["missedBlocks"])
-        figures = dict(zip(SCHED, sched.tolist(), strict=True))
+        scheduler = dict(zip(SCHED, sched.tolist(), strict=True))
         return {"iter": iteration, "rank": d.rank, "dpRank": lay.dp_rank, "tpRank": lay.tp_rank,
                 "incarnation": d.incarnation, "kvCacheStats": stats, **views_of(lay, d.row),
-                "iterLatencyMS": figures.pop("stepUs") / 1000, **figures}
+                "iterLatencyMS": scheduler.pop("stepUs") / 1000, **scheduler}
 
     def checkpoint(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "last_emitted": self.last_emitted, "counts": dict(self.counts),

@@ -3,12 +3,14 @@
 A rank registers its `RankLayout` once per incarnation (life cycles, pool groups, its place in the cluster);
 every iteration it returns a `RankDelta` with its step result: the drained counters per life cycle, the gauges
 per pool group, its cumulative `kvCacheStats` and its scheduler figures, packed into one int64 array so a
-delta pickles as one small buffer. The layout says where each part sits in the row.
+delta pickles as one small buffer. The layout's `dtype` names the parts (`ROW_PARTS`): the row read through
+it is one record of `counters`, `gauges`, `kv_stats` and `sched`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from functools import cache
 
 import numpy as np
 
@@ -22,9 +24,9 @@ KV_STATS = tuple(k for k in KV_CACHE_STATS_KEYS if k != "cacheHitRate")
 
 
 @dataclass(slots=True)
-class StepFigures:
-    """A rank's own figures for one iteration, named in records as TensorRT-LLM's iteration stats where one
-    exists (`SCHED`: the camelCase names, in row order)."""
+class SchedulerStats:
+    """A rank's own scheduler stats for one iteration (vLLM's word), named in records as TensorRT-LLM's
+    iteration stats where one exists (`SCHED`: the camelCase names, in row order)."""
 
     step_us: int = 0
     num_scheduled_requests: int = 0
@@ -42,10 +44,18 @@ class StepFigures:
     pinned_mem_usage: int = 0
 
 
-SCHED = tuple(camel(f.name) for f in fields(StepFigures))
+SCHED = tuple(camel(f.name) for f in fields(SchedulerStats))
 KV_STATS_INDEX = {k: i for i, k in enumerate(KV_STATS)}
 SCHED_INDEX = {k: i for i, k in enumerate(SCHED)}
 assert len(COUNTER_KEYS) == NUM_COUNTERS
+ROW_PARTS = ("counters", "gauges", "kv_stats", "sched")  # a row's parts, in row order
+
+
+@cache
+def row_dtype(num_life_cycles: int, num_pool_groups: int) -> np.dtype:
+    """The packed row's parts by name: counters [lc, 15], gauges [pg, 14], kv stats [8], sched [14], all int64."""
+    shapes = ((num_life_cycles, NUM_COUNTERS), (num_pool_groups, NUM_GAUGES), (len(KV_STATS),), (len(SCHED),))
+    return np.dtype([(name, np.int64, shape) for name, shape in zip(ROW_PARTS, shapes, strict=True)])
 
 
 @dataclass(frozen=True)
@@ -71,21 +81,23 @@ class RankLayout:
         object.__setattr__(self, "shape", (self.life_cycles, self.pool_groups))
 
     @property
+    def dtype(self) -> np.dtype:
+        """The row's named parts (`row_dtype`, one per shape: a layout pickles, and checkpoints, without it)."""
+        return row_dtype(len(self.life_cycles), len(self.pool_groups))
+
+    @property
     def num_counters(self) -> int:
         return len(self.life_cycles) * NUM_COUNTERS
 
     @property
     def row_size(self) -> int:
-        return self.num_counters + len(self.pool_groups) * NUM_GAUGES + len(KV_STATS) + len(SCHED)
+        return self.dtype.itemsize // 8
 
     def parts(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(counters [.., lc, 15], gauges [.., pg, 14], kv stats [.., 8], sched [.., 14]) views of row(s)."""
-        c = self.num_counters
-        g = c + len(self.pool_groups) * NUM_GAUGES
-        k = g + len(KV_STATS)
-        lead = rows.shape[:-1]
-        return (rows[..., :c].reshape(*lead, len(self.life_cycles), NUM_COUNTERS),
-                rows[..., c:g].reshape(*lead, len(self.pool_groups), NUM_GAUGES), rows[..., g:k], rows[..., k:])
+        """(counters [.., lc, 15], gauges [.., pg, 14], kv stats [.., 8], sched [.., 14]) views of row(s): the
+        int64 rows read through `dtype`, so writing a part writes the row."""
+        r = rows.view(self.dtype)[..., 0]
+        return r["counters"], r["gauges"], r["kv_stats"], r["sched"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +112,7 @@ class RankDelta:
 
 
 def pack(layout: RankLayout, counters, gauges, kv_stats, sched) -> np.ndarray:
-    """The row of one iteration from its parts (lists or arrays of ints)."""
+    """The row of one iteration from its parts (lists or arrays of ints), in `ROW_PARTS` order."""
     row = np.concatenate([np.asarray(counters, dtype=np.int64).ravel(), np.asarray(gauges, dtype=np.int64).ravel(),
                           np.asarray(kv_stats, dtype=np.int64), np.asarray(sched, dtype=np.int64)])
     if row.shape != (layout.row_size,):

@@ -171,14 +171,14 @@ def collect_families(snap: dict[str, Any]):
     for dp, n in (snap.get("routed_per_group") or {}).items():
         put("kvfleet_routing_group_requests_total", n, (dp,))
 
-    for r in snap["ranks"].values():
-        lab = (str(r["rank"]), str(r["dp_rank"]), str(r["tp_rank"]))
-        put("kvfleet_rank_healthy", 1 if r["healthy"] else 0, lab)
-        rec = r["record"]
+    for r in snap["ranks"].values():  # aggregator.messages.RankHealth
+        lab = (str(r.rank), str(r.dp_rank), str(r.tp_rank))
+        put("kvfleet_rank_healthy", 1 if r.healthy else 0, lab)
+        rec = r.record
         if rec is None:
             continue
         put("kvfleet_rank_last_iteration", rec["iter"], lab)
-        put("kvfleet_rank_last_seen_age_seconds", r["age_s"], lab)
+        put("kvfleet_rank_last_seen_age_seconds", r.age_s, lab)
         stats = rec.get("kvCacheStats") or {}
         if stats:
             for k in KV_STATS_COUNTERS:

@@ -28,6 +28,7 @@ import ray
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from aggregator import get_or_create_aggregator  # noqa: E402
+from aggregator.messages import Ack  # noqa: E402
 from engine.stats_channel import StatsChannel  # noqa: E402
 from tests.support.aggregator_support import FakeCluster  # noqa: E402
 
@@ -35,10 +36,10 @@ from tests.support.aggregator_support import FakeCluster  # noqa: E402
 @ray.remote(num_cpus=0)
 class NoOp:
     async def register(self, layouts, session=None):
-        return {"epoch": 1, "session": 1, "acked": None}
+        return Ack(1, None, 1)
 
     async def ingest(self, iterations, session=None):
-        return {"epoch": 1, "acked": iterations[-1].iteration}
+        return Ack(1, iterations[-1].iteration, 1)
 
 
 def build(ranks: int, n: int) -> tuple[FakeCluster, list]:

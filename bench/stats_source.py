@@ -17,9 +17,10 @@ from ray import cloudpickle, serve
 from ray.serve import Application
 
 from aggregator.assembler import Assembler, iso_timestamp
+from aggregator.messages import AggregatorHealth, RankHealth
 from deployment.ingress.serve import KVFleetIngress
 from deployment.settings import Settings
-from engine.messages import EngineInfo
+from engine.messages import EngineHealth, EngineInfo
 
 TEMPLATES = 50  # distinct records cycled through, so each emitted record's text differs like a real one's
 
@@ -76,7 +77,7 @@ class SimulatedStats:
                 return []
         return await self.query(since, 1000)
 
-    async def ranks(self) -> dict:
+    async def ranks(self) -> dict[str, RankHealth]:
         return {}
 
     async def kv_cache_stats(self) -> dict:
@@ -85,8 +86,10 @@ class SimulatedStats:
     async def metrics_text(self) -> str:
         return ""
 
-    async def health(self) -> dict:
-        return {"ok": True, "emitted": self.emitted()}
+    async def health(self) -> AggregatorHealth:
+        n = self.emitted()
+        return AggregatorHealth(True, "engine-sim", 1, 4, 2, n - 1 if n else None, len(self.records),
+                                self.records[0]["iter"] if self.records else None, self.records.maxlen, 4, {}, 0.0)
 
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
@@ -100,8 +103,8 @@ class SimulatedEngine:
         await self.stats.start.remote()
         return EngineInfo(256, 256, 512, self.stats)
 
-    async def health(self) -> dict[str, Any]:
-        return {"simulated": True}
+    async def health(self) -> EngineHealth:
+        return EngineHealth(True, 4, 0, 0, 0, 0, {}, {})
 
 
 def simulated_app(rate: float) -> Application:

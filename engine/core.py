@@ -23,10 +23,8 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 from aggregator.delta import Iteration
-from engine import ranks
 from engine.backoff import backoff_s
 from engine.config import EngineConfig
 from engine.errors import (
@@ -37,13 +35,16 @@ from engine.errors import (
     check_request,
     one_line,
 )
-from engine.messages import ADMITTED, Admitted, GroupState
-from engine.placement import Router, group_load, waiting_blocks
+from engine.kv_hub import KVEventHub
+from engine.lifecycle import EngineLifecycle
+from engine.messages import ADMITTED, Admitted, EngineHealth, GroupState, KVStreamEvent
+from engine.placement import Placement, group_load, waiting_blocks
 from engine.recovery import GroupRecovery, Orphans
 from engine.request_times import RequestRecorder
-from engine.scheduler import Group, Request, TokenEvent, apply_result, figures, plan_group, share_cores
+from engine.routing_record import RoutingRecord
+from engine.scheduler import Group, Request, TokenEvent, apply_result, engine_stats, plan_group, share_cores
 from engine.stats_channel import StatsChannel
-from engine.transport import StepFailure, Transport, make_transport, step_all
+from engine.transport import StepFailure, Transport, step_all
 from workers.model_setting import check_model, load_tokenizer
 from workers.sampling_params import SamplingParams
 from workers.step import StepResult
@@ -51,17 +52,12 @@ from workers.step import StepResult
 log = logging.getLogger("kvfleet.engine")
 
 
-def first_iteration(last_emitted: int | None) -> int:
-    """The iteration a (re)started engine begins with: one past what its aggregator already emitted."""
-    return 0 if last_emitted is None else max(0, int(last_emitted) + 1)
-
-
 # A step in which no request ran (every scheduled one found no room) is retried after this pause, doubling up
 # to the maximum, or as soon as something changes (a request arrives, finishes or is aborted): never a busy loop.
 NO_PROGRESS_PAUSE_S = (0.001, 0.25)
 
 
-class Engine(GroupRecovery):
+class Engine(EngineLifecycle, GroupRecovery):
     """Owns the rank actors and the aggregator handle; `generate` streams one request's tokens."""
 
     def __init__(self, config: EngineConfig) -> None:
@@ -85,7 +81,9 @@ class Engine(GroupRecovery):
         self.error: str | None = None
         self._pgs: list = []
         self._groups = [Group() for _ in range(c.dp)]
-        self.router = Router(c.routing, c.kv_events, c.cache.tokens_per_block, c.dp)
+        self.hub = KVEventHub(c.kv_events, c.routing.policy == "kv", c.cache.tokens_per_block, c.dp)
+        self.placement = Placement(c.routing, self.hub)
+        self.routing_record = RoutingRecord(c.routing.policy, c.dp, self.hub.index)
         self._requests: dict[str, Request] = {}
         # while no dp group is up; one that expires fails with a 503 (recovery.py) and is forgotten here
         self._orphans = Orphans(c.placement_timeout_s, lambda req: self._requests.pop(req.id, None))
@@ -99,112 +97,6 @@ class Engine(GroupRecovery):
         self._ids = itertools.count()
         self._completed = 0  # requests finished in the iteration being applied
         self.recorder = RequestRecorder(c.served_model_name, c.cache.max_seq_len, c.dp)
-
-    # ---- lifecycle --------------------------------------------------------------------------------------------
-    async def start(self) -> None:
-        from aggregator import get_or_create_aggregator
-
-        s = self.config
-        self.router.publisher.start()  # ZMQ KV events: a bad endpoint fails first, named
-        device = self._device = ranks.device_of(s)
-        dtype = self._dtype = ranks.dtype_of(s, device)
-        # detached: the aggregator (and the cluster's cumulative statistics) outlive this engine's replica
-        self.aggregator = get_or_create_aggregator(s.engine_id, self.world_size, s.tp, s.stats_buffer_size,
-                                                   s.engine_resource, lifetime="detached")
-        health = await self.aggregator.health.remote()
-        if (health["world_size"], health["tp"]) != (self.world_size, s.tp):
-            raise EngineError(
-                f"a stats aggregator for engine {s.engine_id!r} already runs with world_size "
-                f"{health['world_size']} and tp {health['tp']}, but this engine has {self.world_size} ranks "
-                f"(tp {s.tp}): use another engine_id, or stop the old engine first")
-        self.iteration = first_iteration(health.get("last_iter"))
-        left = ranks.left_behind(s.engine_id)  # what a previous engine of this id left (its replica died)
-        adopted = await self._adopt_all(left)  # its live groups, taken over
-        ranks.remove_leftovers(s.engine_id, left, list(adopted.values()))  # the rest
-
-        async def launch(dp: int) -> ranks.Launched:
-            return adopted[dp] if dp in adopted else await self._launch(dp)
-
-        launched = await ranks.launch_all(launch, s.dp, self._stop)
-        for group in launched:
-            self._pgs.append(group.pg)
-            self.workers += group.workers
-        self.rank_info = [info for group in launched for info in group.infos]
-        for dp, group in enumerate(launched):
-            self._set_limit(dp, group.infos)
-        self.vocab_size = self.rank_info[0]["vocab_size"]
-        self.transport = make_transport(s.step_transport, self.workers)
-        self.router.reuse_table = self.rank_info[0]["reuse_table"]
-        self.router.partial_worth = self.rank_info[0]["partial_reuse_blocks"]
-        for dp, group in enumerate(launched):
-            self.router.group_started(dp, group.infos[0])
-        if device == "cpu" and s.tp == 1:  # the cores a rank may take when no other group on its node steps
-            self._cores = {info["node_id"]: info.get("cpus", 0) for info in self.rank_info}
-        if s.cache.enable_stats:
-            self.stats = StatsChannel(self.aggregator)
-            self.iteration = first_iteration(await self.stats.register([info["layout"] for info in self.rank_info]))
-        await asyncio.gather(*[ranks.warm_up(g.workers) for dp, g in enumerate(launched) if dp not in adopted])
-        self._loop_task = asyncio.get_running_loop().create_task(self._loop())
-        log.info("engine %s: %d ranks on %s (%s, %d of %d groups taken over), iterations from %d, requests up to "
-                 "%d tokens", s.engine_id, self.world_size, device, dtype, len(adopted), s.dp, self.iteration,
-                 self.max_request_tokens)
-
-    async def _adopt_all(self, left: ranks.Left) -> dict[int, ranks.Launched]:
-        """The dp groups a dead engine of this id left alive, taken over with their caches (engine/ranks.py).
-        Not with compiled graphs: their ranks stay bound to the dead engine's graph."""
-        if self.config.step_transport != "actor_calls" or not left.actors:
-            return {}
-        got = await asyncio.gather(*[ranks.adopt_group(self.config, dp, self._device, self._dtype, left)
-                                     for dp in range(self.config.dp)])
-        adopted = {dp: g for dp, g in enumerate(got) if g is not None}
-        for dp, g in adopted.items():
-            self._groups[dp].node = g.infos[0]["node_id"]
-        return adopted
-
-    async def _launch(self, dp: int) -> ranks.Launched:
-        """Start and set up dp group `dp`, preferring the node with the fewest of the other groups (tests replace
-        this and `_stop` with in-process ranks). A restart waits for resources as long as it takes (the group
-        is pending meanwhile, and /health says so): a lost node's groups come back when a node joins."""
-        g = self._groups[dp]
-        if g.lost_node is not None:
-            lost, g.lost_node = g.lost_node, None
-            if not await ranks.node_gone(lost):
-                log.warning("dp group %d: node %s still counts as alive; restarting anyway", dp, lost[:12])
-        taken = [other.node for i, other in enumerate(self._groups) if i != dp and not other.stays_down]
-        g.node = ranks.spread_target(self.config, self._device, taken)
-        first = self._loop_task is None
-        launched = await ranks.launch_group(self.config, dp, self._device, self._dtype, g.node,
-                                            ranks.SETUP_TIMEOUT_S if first else None,
-                                            lambda on: setattr(g, "pending", on))
-        g.node = launched.infos[0]["node_id"]
-        if self._cores:  # a restart may land on another node
-            self._cores[g.node] = launched.infos[0].get("cpus", 0)
-        return launched
-
-    def _stop(self, workers: list, pgs: list) -> None:
-        ranks.stop(workers, pgs)
-
-    async def shutdown(self) -> None:
-        """Stop stepping, fail what is left (Serve has drained the replica's requests before this), remove
-        every rank actor and placement group. The detached aggregator stays: a next engine of this id goes on
-        with its statistics."""
-        self._closing = True
-        for task in list(self._restarting.values()):
-            task.cancel()
-        await asyncio.gather(*self._restarting.values(), return_exceptions=True)
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            await asyncio.gather(self._loop_task, return_exceptions=True)
-        self._fail_all(EngineError("the engine is shutting down"))
-        if self.stats is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.stats.drained(), 5.0)
-            await self.stats.close()
-        if self.transport is not None:
-            await self.transport.close()
-        await asyncio.to_thread(self.router.publisher.close)  # sends what is queued, for up to 1 s
-        self._stop(self.workers, self._pgs)
-        self.workers, self._pgs = [], []
 
     # ---- requests ----------------------------------------------------------------------------------------------
     @property
@@ -227,12 +119,12 @@ class Engine(GroupRecovery):
         check_request(prompt_token_ids, params.max_tokens, self.vocab_size, self.max_model_len, self.max_seq_len)
 
     async def generate(self, request_id: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                       cache_salt: str | None = None, announce: bool = False, drawn: int = 0,
+                       cache_salt: str | None = None, announce: bool = False, num_output_tokens: int = 0,
                        placed: tuple[int, int, int] | None = None) -> AsyncIterator[TokenEvent | Admitted]:
         """Stream a request's tokens; closing the iterator (the client went away) aborts it. `announce`:
         `ADMITTED` first, once the request is admitted (the ingress answers a refusal before any response starts).
-        `drawn`, `placed`: as in `submit`."""
-        req = self.submit(request_id, prompt_token_ids, params, cache_salt, drawn, placed)
+        `num_output_tokens`, `placed`: as in `submit`."""
+        req = self.submit(request_id, prompt_token_ids, params, cache_salt, num_output_tokens, placed)
         try:
             if announce:
                 yield ADMITTED
@@ -243,10 +135,11 @@ class Engine(GroupRecovery):
                 self.abort(req.id)
 
     def submit(self, request_id: str | None, prompt_token_ids: list[int], params: SamplingParams,
-               cache_salt: str | None = None, drawn: int = 0, placed: tuple[int, int, int] | None = None) -> Request:
+               cache_salt: str | None = None, num_output_tokens: int = 0,
+               placed: tuple[int, int, int] | None = None) -> Request:
         """Admit a request, or refuse it at once: RequestError (bad input), Overloaded (the waiting queue is
-        full), EngineError (no dp group can ever take it, or shutting down). `drawn`: tokens another engine
-        already sampled for it (the ingress re-sends a dead replica's request as prompt + those tokens), so a
+        full), EngineError (no dp group can ever take it, or shutting down). `num_output_tokens`: tokens another
+        engine already sampled for it (the ingress re-sends a dead replica's request as prompt + those tokens), so a
         seeded sampler draws on where it was. `placed`: (dp group, prompt blocks it holds, prompt tokens past them
         its rank reuses in part) as the fleet's router chose them; the request goes there while that group is up,
         else where this engine's routing puts it."""
@@ -266,12 +159,14 @@ class Engine(GroupRecovery):
         if params.min_tokens and not params.all_stop_token_ids:  # what the ranks' samplers hold back until then
             eos = () if params.ignore_eos else tuple(self.tokenizer.eos_token_ids)
             params = dataclasses.replace(params, all_stop_token_ids=eos + params.stop_token_ids)
-        if isinstance(drawn, bool) or not isinstance(drawn, int) or not 0 <= drawn < len(prompt_token_ids):
-            raise RequestError(f"drawn must be an integer in [0, {len(prompt_token_ids)}), got {drawn!r}")
-        req = Request(rid, list(prompt_token_ids), params, cache_salt, params.max_tokens, drawn=drawn)
+        n = num_output_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < len(prompt_token_ids):
+            raise RequestError(f"num_output_tokens must be an integer in [0, {len(prompt_token_ids)}), got {n!r}")
+        req = Request(rid, list(prompt_token_ids), params, cache_salt, params.max_tokens,
+                      num_output_tokens=n)
         if placed is not None:
-            worth = self.router.partial_worth if placed[2] else 0  # the block its rank reuses in part, if any
-            req.placed, req.fleet_predicted = placed[0], self.router.predicted(placed[1]) + worth
+            worth = self.placement.partial_worth if placed[2] else 0  # the block its rank reuses in part, if any
+            req.placed, req.fleet_predicted = placed[0], self.placement.predicted(placed[1]) + worth
         self._place(req)
         self._requests[rid] = req
         return req
@@ -304,17 +199,17 @@ class Engine(GroupRecovery):
             self._poke()
         log.info("request %s aborted after %d tokens", request_id, len(req.generated))
 
-    async def kv_events(self, after: str | None, timeout_s: float) -> list[tuple[str, dict]]:
-        """Long poll of the /kv_events stream (engine/kv_stream.py): (id, vLLM-shaped event) after `after`."""
-        return await self.router.stream.wait(after, timeout_s)
+    async def kv_events(self, after: str | None, timeout_s: float) -> list[KVStreamEvent]:
+        """Long poll of the KV event stream (engine/kv_stream.py): its events after `after`."""
+        return await self.hub.stream.wait(after, timeout_s)
 
     def groups_state(self) -> list[GroupState]:
         """What the fleet's router weighs besides the blocks, per dp group (engine/messages.py)."""
         B = self.config.cache.tokens_per_block
         return [GroupState(g.down is None and not g.stays_down, group_load(g),
-                           self.router.free[dp] - waiting_blocks(g, B)) for dp, g in enumerate(self._groups)]
+                           self.hub.free[dp] - waiting_blocks(g, B)) for dp, g in enumerate(self._groups)]
 
-    async def health(self) -> dict[str, Any]:
+    async def health(self) -> EngineHealth:
         """The engine's state; raises EngineError (an HTTP 503) while no dp group serves."""
         if self.error:
             raise EngineError(self.error, RETRY_AFTER_DOWN_S)
@@ -323,10 +218,9 @@ class Engine(GroupRecovery):
             raise EngineError("no dp group is up: " + "; ".join(f"group {dp}: {why}" for dp, why in down.items()),
                               RETRY_AFTER_DOWN_S)
         groups = {str(dp): g.health(dp in self._restarting) for dp, g in enumerate(self._groups)}
-        return {"ok": True, "ranks": self.world_size, "iteration": self.iteration, "steps": self.steps,
-                "running": sum(len(g.running) for g in self._groups),
-                "waiting": len(self._orphans) + sum(len(g.waiting) for g in self._groups),
-                "down_groups": down, "groups": groups}
+        return EngineHealth(True, self.world_size, self.iteration, self.steps,
+                            sum(len(g.running) for g in self._groups),
+                            len(self._orphans) + sum(len(g.waiting) for g in self._groups), down, groups)
 
     # ---- placement ---------------------------------------------------------------------------------------------
     def _place(self, req: Request, front: bool = False) -> None:
@@ -336,7 +230,7 @@ class Engine(GroupRecovery):
         fits = [dp for dp, g in enumerate(self._groups) if not g.stays_down and need <= self._limits[dp]]
         up = [dp for dp in fits if self._groups[dp].down is None]
         if up:
-            self.router.place(req, self._groups, up)  # sets req.dp (engine/placement.py)
+            self.placement.place(req, self._groups, up)  # sets req.dp
             waiting = self._groups[req.dp].waiting
             waiting.appendleft(req) if front else waiting.append(req)
             self._poke()
@@ -370,14 +264,15 @@ class Engine(GroupRecovery):
         idle = 0  # steps in a row in which nothing moved
         while True:
             await self._wake.wait()
-            plans = [None if g.down else plan_group(g, self.iteration, self.config, self.router.cached_tokens)
+            plans = [None if g.down else plan_group(g, self.iteration, self.config,
+                                             self.placement.cached_tokens)
                      for g in self._groups]
             if self._cores:
                 share_cores(plans, self._groups, self._cores, max(1, int(self.config.num_cpus_per_rank)))
             if not any(p is not None and (p.new or p.work or p.close) for p in plans):
                 self._wake.clear()
                 continue
-            self.router.plan(plans)
+            self.hub.plan(plans)
             self._changed.clear()
             results, deltas, missing = await step_all(self.transport, len(self.workers), plans,
                                                             self.config.tp)
@@ -389,14 +284,15 @@ class Engine(GroupRecovery):
                     progress = True
                 elif res is not None:
                     progress = progress or bool(res.ran or res.failed)
-                    self.router.observe(dp, res, self._requests)
+                    self.hub.observe(dp, res)
+                    self.routing_record.observe(dp, res, self._requests)
                     self.recorder.step(dp, res, self._requests)
                     self._apply(self._groups[dp], res)
             requests = self.recorder.take(self._groups)
             if self.stats is not None:
-                engine = figures(self._groups, plans, self.config, self._completed)
+                engine = engine_stats(self._groups, plans, self.config, self._completed)
                 self.stats.put(Iteration(self.iteration, time.time(), deltas, missing, engine,
-                                         self.router.take_record(), requests))
+                                         self.routing_record.take(), requests))
             self.iteration += 1
             self.steps += 1
             if self.error:

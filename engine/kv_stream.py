@@ -8,7 +8,9 @@ one with another incarnation's or a malformed id) gets an explicit resync instea
 `AllBlocksCleared` (with `"resync": true`) and one `BlockStored` per tier with every block the index holds
 (no tokens, no parent: the keys and the medium are what a router needs), all with the newest id, then the
 live events after it. Events are converted only while someone listens (a poll within `LISTEN_S`, or
-buffering asked for), so an idle stream costs nothing.
+buffering asked for), so an idle stream costs nothing. The buffer holds them typed (`KVStreamEvent`): the
+fleet's router applies their KV events as they are (`FollowReport`), /kv_events shows them in vLLM's shape
+(`vllm_event`).
 Keys are unsigned 64-bit ints; the salt is in them and is never shown. A salted block's `BlockStored` carries
 no tokens (`token_ids` is empty): a router keys by hash, and the tokens are the tenant's prompt.
 """
@@ -22,6 +24,7 @@ from collections import deque
 from typing import Any
 
 from aggregator.buffer import LongPoll
+from engine.messages import KVStreamEvent
 from kvcache.events import CLEARED, MOVED, REMOVED, STORED, KVEvent
 
 MEDIUM = ("GPU", "CPU")
@@ -29,47 +32,44 @@ LISTEN_S = 30.0
 MAX_SEQ_DIGITS = 20  # an event count fits in 64 bits: 20 decimal digits
 
 
-def vllm_event(ev: KVEvent, dp: int, block_size: int, ts: float) -> list[dict[str, Any]]:
-    """One rank event as vLLM KV events (a tier move is removed from one medium, stored on the other)."""
+def stream_events(ev: KVEvent) -> list[tuple[KVEvent, ...]]:
+    """One rank event as the stream's events, one per vLLM event (a tier move is removed from one medium, stored
+    on the other), each as a KVIndex applies it. A salted block keeps only its key: its tokens are the tenant's."""
     if ev.kind == CLEARED:
-        return [{"type": "AllBlocksCleared", "dp_rank": dp, "ts": ts}]
+        return [(KVEvent(CLEARED),)]
     if ev.kind == REMOVED:
-        return [{"type": "BlockRemoved", "block_hashes": [ev.key], "medium": MEDIUM[ev.tier], "dp_rank": dp, "ts": ts}]
+        return [(KVEvent(REMOVED, ev.key, tier=ev.tier),)]
     if ev.kind == MOVED:
-        return [{"type": "BlockRemoved", "block_hashes": [ev.key], "medium": MEDIUM[1 - ev.tier], "dp_rank": dp,
-                 "ts": ts}, _stored([ev.key], None, [], block_size, ev.tier, dp, ts)]
+        return [(KVEvent(REMOVED, ev.key, tier=1 - ev.tier),), (KVEvent(STORED, ev.key, tier=ev.tier),)]
     assert ev.kind == STORED
-    tokens = list(ev.tokens) if ev.salt is None else []  # a salted prompt is its tenant's: only keys leave
-    return [_stored([ev.key], ev.parent, tokens, block_size, ev.tier, dp, ts)]
+    tokens = ev.tokens if ev.salt is None else ()  # a salted prompt is its tenant's: only keys leave
+    return [(KVEvent(STORED, ev.key, ev.parent, tokens, ev.tier),)]
 
 
-def index_events(event: dict[str, Any]) -> tuple[int, list[KVEvent]]:
-    """The inverse of `vllm_event` for a follower of this stream (the fleet's router): (dp group, the events
-    a KVIndex applies). Keys and media, and a stored block's parent and tokens where it has them (a snapshot's
-    and a salted block's carry none: those blocks are never matched in part one level up)."""
-    dp = event.get("dp_rank") or 0
-    kind = event["type"]
-    if kind == "AllBlocksCleared":
-        return dp, [KVEvent(CLEARED)]
-    tier = MEDIUM.index(event.get("medium") or "GPU")
-    if kind == "BlockStored" and event.get("token_ids") and len(event["block_hashes"]) == 1:
-        return dp, [KVEvent(STORED, event["block_hashes"][0], event.get("parent_block_hash"),
-                            tuple(event["token_ids"]), tier)]
-    kind = {"BlockStored": STORED, "BlockRemoved": REMOVED}[kind]
-    return dp, [KVEvent(kind, key, tier=tier) for key in event["block_hashes"]]
+def vllm_event(ev: KVStreamEvent, block_size: int) -> dict[str, Any]:
+    """One stream event in vLLM's KV event shape, with its `dp_rank` and `ts` (what /kv_events shows)."""
+    first = ev.events[0]
+    if first.kind == CLEARED:
+        out = {"type": "AllBlocksCleared", "dp_rank": ev.dp, "ts": ev.ts}
+        return {**out, "resync": True} if ev.resync else out
+    keys = [e.key for e in ev.events]
+    if first.kind == REMOVED:
+        return {"type": "BlockRemoved", "block_hashes": keys, "medium": MEDIUM[first.tier], "dp_rank": ev.dp,
+                "ts": ev.ts}
+    return {"type": "BlockStored", "block_hashes": keys, "parent_block_hash": first.parent,
+            "token_ids": list(first.tokens), "block_size": block_size, "lora_id": None, "lora_name": None,
+            "medium": MEDIUM[first.tier], "dp_rank": ev.dp, "ts": ev.ts}
 
 
-def _stored(keys: list[int], parent: int | None, tokens: list[int], block_size: int, tier: int, dp: int,
-            ts: float) -> dict[str, Any]:
-    return {"type": "BlockStored", "block_hashes": keys, "parent_block_hash": parent, "token_ids": tokens,
-            "block_size": block_size, "lora_id": None, "lora_name": None, "medium": MEDIUM[tier], "dp_rank": dp,
-            "ts": ts}
+def vllm_events(events: list[KVStreamEvent], block_size: int) -> list[tuple[str, dict[str, Any]]]:
+    """(id, vLLM-shaped event) of each: the /kv_events stream's JSON objects."""
+    return [(ev.id, vllm_event(ev, block_size)) for ev in events]
 
 
 class KVEventStream:
     def __init__(self, capacity: int, block_size: int, index: Any, buffer_always: bool = False) -> None:
         self.incarnation = secrets.token_hex(6)
-        self.buffer: deque[tuple[str, dict]] = deque(maxlen=capacity)  # (id, event), ids in order
+        self.buffer: deque[KVStreamEvent] = deque(maxlen=capacity)  # ids in order
         self.seq = 0  # the newest seq handed out
         self.block_size = block_size
         self.index = index
@@ -90,17 +90,17 @@ class KVEventStream:
             return
         ts = time.time()
         for ev in events:
-            for out in vllm_event(ev, dp, self.block_size, ts):
+            for out in stream_events(ev):
                 self.seq += 1
-                self.buffer.append((self._id(self.seq), out))
+                self.buffer.append(KVStreamEvent(self._id(self.seq), dp, ts, out))
         self._changes.notify()
 
     def cleared(self, dp: int) -> None:
         """A group's blocks are gone (down, restarted, or events switched off)."""
         self.publish(dp, [KVEvent(CLEARED)])
 
-    def since(self, after: str | None) -> list[tuple[str, dict]]:
-        """(id, event) for every event after the one `after` names; a resync snapshot first unless that is an
+    def since(self, after: str | None) -> list[KVStreamEvent]:
+        """Every event after the one `after` names; a resync snapshot first unless that is an
         event of this incarnation that every later one is still buffered after."""
         self.last_poll = time.monotonic()
         seq = self._seq_of(after)
@@ -123,19 +123,19 @@ class KVEventStream:
             return None
         return int(seq)
 
-    def _snapshot(self) -> list[tuple[str, dict]]:
+    def _snapshot(self) -> list[KVStreamEvent]:
         """The index now, as of the newest id (it already holds what every buffered event did)."""
         at = self._id(self.seq)
         ts = time.time()
-        out: list[tuple[str, dict]] = []
+        out: list[KVStreamEvent] = []
         for dp, held in enumerate(self.index.blocks):
-            out.append((at, {"type": "AllBlocksCleared", "dp_rank": dp, "ts": ts, "resync": True}))
+            out.append(KVStreamEvent(at, dp, ts, (KVEvent(CLEARED),), resync=True))
             for tier in (0, 1):
-                keys = [k for k, t in held.items() if t == tier]
-                if keys:
-                    out.append((at, _stored(keys, None, [], self.block_size, tier, dp, ts)))
+                stored = tuple(KVEvent(STORED, k, tier=tier) for k, t in held.items() if t == tier)
+                if stored:
+                    out.append(KVStreamEvent(at, dp, ts, stored))
         return out
 
-    async def wait(self, after: str | None, timeout_s: float) -> list[tuple[str, dict]]:
+    async def wait(self, after: str | None, timeout_s: float) -> list[KVStreamEvent]:
         """Long poll: the events after `after` (`since`) as soon as there are any, [] after timeout_s."""
         return await self._changes.wait(lambda: self.since(after), timeout_s)

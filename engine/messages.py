@@ -1,12 +1,16 @@
 """The messages between the ingress, Serve's request router and the engine deployment (no torch, no Ray): what
 a generate call carries, which the router reads and decides on (`GenerateRequest`), the first thing its stream yields
 (`Admitted`), what the engine tells the ingress once, at its start (`EngineInfo`), and its answer to the fleet
-router's long poll (`FollowReport`, with each dp group's `GroupState`)."""
+router's long poll (`FollowReport`, with each dp group's `GroupState` and its `KVStreamEvent`s), and its `health`
+(`EngineHealth`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from kvcache.events import KVEvent
 
 
 @dataclass
@@ -16,7 +20,8 @@ class GenerateRequest:
 
     `token_ids`: the prompt (on a re-send, the prompt and the tokens already received); `params`: its
     `workers.sampling_params.SamplingParams` (on a re-send, `max_tokens` less those); `request_id` (None: the
-    engine names it); `cache_salt`; `drawn`: tokens already sampled (Engine.submit). `prompt`: the text Ray Serve
+    engine names it); `cache_salt`; `num_output_tokens`: how many of `token_ids` are output already sampled (a
+    re-send; Engine.submit). `prompt`: the text Ray Serve
     LLM's PrefixCacheAffinityRouter reads (a `prompt` attribute of any positional argument: a chat's templated
     text), set only for it. `KVFleetRouter` keys and weighs `token_ids`, `cache_salt` and `max_tokens`, and writes
     `engine`, `dp`, `blocks` (the prompt blocks the group holds), `partial` (the prompt tokens past them its rank
@@ -26,7 +31,7 @@ class GenerateRequest:
     params: Any = None
     request_id: str | None = None
     cache_salt: str | None = None
-    drawn: int = 0
+    num_output_tokens: int = 0
     prompt: str = ""
     engine: str | None = None
     dp: int = -1
@@ -75,15 +80,59 @@ class GroupState:
     room: int
 
 
+@dataclass(frozen=True)
+class GroupHealth:
+    """One dp group in the engine's health: up or why not, its failures in a row and restarts, whether it is
+    restarting, stays down, or waits for resources to place its ranks (`pending`), and its node."""
+
+    up: bool
+    down: str | None
+    failures: int
+    restarts: int
+    restarting: bool
+    stays_down: bool
+    pending: bool
+    node_id: str | None
+
+
+@dataclass(frozen=True)
+class EngineHealth:
+    """The engine's answer to `health` while some dp group serves (none: it raises EngineError, a 503): the
+    /health `engine` object, field for field. Groups are keyed by dp rank as a string, as in JSON."""
+
+    ok: bool
+    ranks: int
+    iteration: int
+    steps: int
+    running: int
+    waiting: int
+    down_groups: dict[str, str]
+    groups: dict[str, GroupHealth]
+
+
+class KVStreamEvent(NamedTuple):
+    """One event of an engine's KV event stream (engine/kv_stream.py): one vLLM KV event of /kv_events, typed.
+    `id` names it for a resume; `events` are what it stands for as a `KVIndex` applies them (one rank event, or
+    a snapshot's blocks of one tier; a salted block's carry no tokens and no salt: the tenant's prompt never
+    leaves); `resync` marks a snapshot's `AllBlocksCleared`. The fleet's router applies `events` as they are;
+    /kv_events shows the vLLM shape (`kv_stream.vllm_event`)."""
+
+    id: str
+    dp: int
+    ts: float
+    events: tuple[KVEvent, ...]
+    resync: bool = False
+
+
 @dataclass
 class FollowReport:
     """An engine replica's answer to the fleet router's long poll (`KVFleetEngine.follow`): its KV events after
-    the id asked, as (id, vLLM-shaped event); its groups' state; the newest ticket of each router it admitted.
-    Only `replica` is set when the call reached another replica than the one asked."""
+    the id asked; its groups' state; the newest ticket of each router it admitted. Only `replica` is set when
+    the call reached another replica than the one asked."""
 
     replica: str
     engine: str | None = None
     block_size: int = 0
-    events: list[tuple[str, dict]] = field(default_factory=list)
+    events: list[KVStreamEvent] = field(default_factory=list)
     groups: list[GroupState] = field(default_factory=list)
     tickets: dict[str, int] = field(default_factory=dict)

@@ -123,8 +123,8 @@ def spread_target(config: EngineConfig, device: str, taken: list[str | None]) ->
 @functools.cache
 def rank_actor_class() -> Any:
     """The rank actor class, made once per process: every `ray.remote(cls)` exports the class anew to the GCS
-    (a fresh class id, ~19 KB each, kept until the job ends), and a group restart per fault grew the GCS by one
-    each. Made on first use: the class imports torch, which the ingress has no use for."""
+    (a fresh class id, kept until the job ends), so a group restart per fault would grow the GCS by one each.
+    Made on first use: the class imports torch, which the ingress has no use for."""
     from workers.worker import RankWorker
 
     return ray.remote(RankWorker)

@@ -90,7 +90,7 @@ async def restart_group(dp: int, g: Group, config: EngineConfig, launch: Callabl
 class GroupRecovery:
     """The part of `Engine` (engine/core.py) that handles a dp group's failure: the group down, its requests
     re-queued elsewhere, its restart and return to service. Kept here, beside the restart policy, so the step
-    loop's file holds the loop; it works on the engine's own state (its groups, ranks, router, orphans)."""
+    loop's file holds the loop; it works on the engine's own state (its groups, ranks, KV event hub, orphans)."""
 
     def _group_failed(self, dp: int, failure: StepFailure) -> None:
         """A dead rank takes its dp group down (the others go on): its requests are re-queued and the group
@@ -101,7 +101,7 @@ class GroupRecovery:
         if not failure.rank_gone:
             log.error("dp group %d: step of rank %d raised, failing %d running requests: %s", dp, failure.rank,
                       len(g.running), why)
-            self.router.drop_group(dp)  # the step's KV events are lost: resync from the rank's next snapshot
+            self.hub.drop_group(dp)  # the step's KV events are lost: resync from the rank's next snapshot
             for req in list(g.running):
                 self._finish_failed(g, req, RequestFailed(f"generation failed: {why}"))
             return
@@ -110,7 +110,7 @@ class GroupRecovery:
         # unreachable, not known dead: its node may be lost, and until Ray marks the node dead it would place
         # the group's new ranks there again (engine/ranks.py node_gone)
         g.lost_node = g.node if ranks.unreachable(failure.error) else None
-        self.router.drop_group(dp)  # its cache is gone: the KV index forgets it
+        self.hub.drop_group(dp)  # its cache is gone: the KV index forgets it
         moved = list(g.running) + list(g.waiting)
         g.waiting.clear()
         g.running.clear()
@@ -149,7 +149,7 @@ class GroupRecovery:
         self.transport.replace(self.workers)
         self._pgs[dp] = launched.pg
         self._set_limit(dp, launched.infos)
-        self.router.group_started(dp, launched.infos[0])
+        self.hub.group_started(dp, launched.infos[0])
         g.down = None
         g.restarts += 1
         log.info("dp group %d back in service (restart %d)", dp, g.restarts)

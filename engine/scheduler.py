@@ -17,6 +17,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.errors import RequestFailed
+from engine.messages import GroupHealth
 from engine.request_times import RequestTimes
 from workers.sampling_params import SamplingParams
 from workers.step import NewRequest, StepPlan, StepResult, Work
@@ -35,11 +36,12 @@ class Request:
     params: SamplingParams
     cache_salt: str | None
     max_tokens: int  # what it may generate in all (vLLM: SamplingParams.max_tokens)
-    drawn: int = 0  # tokens sampled before this engine had it (re-sent by the ingress): the end of `prompt`
+    # of `prompt`, the last tokens that are output sampled before this engine had it (re-sent by the ingress)
+    num_output_tokens: int = 0
     dp: int = -1
     generated: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # what the ranks last reported as computed
-    append: int | None = None  # sampled last step, not yet sent to the ranks
+    new_token_id: int | None = None  # sampled last step, not yet sent to the ranks
     created: bool = False
     done: bool = False
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -62,7 +64,7 @@ class Request:
         tokens it already generated, on whatever group takes it."""
         self.created = False
         self.num_computed_tokens = 0
-        self.append = None
+        self.new_token_id = None
         self.times.queued = time.monotonic()
 
 
@@ -84,9 +86,9 @@ class Group:
     def load(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    def health(self, restarting: bool) -> dict[str, Any]:
-        return {"up": self.down is None, "down": self.down, "failures": self.failures, "restarts": self.restarts,
-                "restarting": restarting, "stays_down": self.stays_down, "pending": self.pending, "node_id": self.node}
+    def health(self, restarting: bool) -> GroupHealth:
+        return GroupHealth(self.down is None, self.down, self.failures, self.restarts, restarting, self.stays_down,
+                           self.pending, self.node)
 
     def finish(self, req: Request) -> None:
         """A request is done (finished or failed): off the group, closed on its ranks next step."""
@@ -127,7 +129,7 @@ def apply_result(g: Group, res: StepResult, requests: dict[str, Request],
         elif len(req.generated) >= req.max_tokens:
             reason = "length"
         if reason is None:
-            req.append = token
+            req.new_token_id = token
         else:
             g.finish(req)
         out.append((req, TokenEvent(token, reason)))
@@ -192,7 +194,8 @@ def plan_group(g: Group, iteration: int, s: EngineConfig,
         req.times.scheduled = req.times.scheduled or now
         # a re-queued request prefills what it already generated too, and its sampler goes on where it was
         plan.new.append(NewRequest(req.id, req.prompt + req.generated, req.params, req.cache_salt,
-                                   drawn=req.drawn + len(req.generated), block_keys=req.block_keys))
+                                   num_output_tokens=req.num_output_tokens + len(req.generated),
+                                   block_keys=req.block_keys))
         req.created = True
         g.running.append(req)
         n = min(budget, max(1, req.total - max(req.num_computed_tokens, hit)))
@@ -201,8 +204,8 @@ def plan_group(g: Group, iteration: int, s: EngineConfig,
     g.waiting.extendleft(reversed(later))
     for r in g.running:  # priority: oldest first
         if r.id in given:
-            plan.work.append(Work(r.id, given[r.id], r.append))
-            r.append = None
+            plan.work.append(Work(r.id, given[r.id], r.new_token_id))
+            r.new_token_id = None
     return plan
 
 
@@ -219,8 +222,9 @@ def share_cores(plans: list[StepPlan | None], groups: list[Group], cores: dict[s
         p.threads = max(own, cores.get(g.node or "", 0) // busy[g.node])
 
 
-def figures(groups: list[Group], plans: list[StepPlan | None], s: EngineConfig, completed: int) -> dict[str, float]:
-    """The engine's figures of the iteration just stepped (aggregator.delta.ENGINE_FIGURES): requests, and the
+def engine_stats(groups: list[Group], plans: list[StepPlan | None], s: EngineConfig,
+                 completed: int) -> dict[str, float]:
+    """The engine's stats of the iteration just stepped (aggregator.delta.ENGINE_FIGURES): requests, and the
     batch limits of the configuration (static) and of the groups that are up (runtime)."""
     up = sum(1 for g in groups if g.down is None)
     waits = [w for g, p in zip(groups, plans, strict=True) if p is not None for w in g.admitted]

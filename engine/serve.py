@@ -14,7 +14,8 @@ from typing import Any
 from ray import serve
 
 from engine.errors import EngineError
-from engine.messages import EngineInfo, FollowReport, GenerateRequest
+from engine.kv_stream import vllm_events
+from engine.messages import EngineHealth, EngineInfo, FollowReport, GenerateRequest
 
 logger = logging.getLogger("kvfleet.deployment")
 
@@ -34,8 +35,8 @@ ENGINE_HEALTH_CHECK_S = 1.0  # Serve's health check period of the engine replica
     ray_actor_options={"num_cpus": NUM_CPUS},
     max_constructor_retry_count=3,
     graceful_shutdown_timeout_s=30,
-    # how soon Serve's controller finds a dead replica (its default, 10 s, was most of a replica's recovery once
-    # the replacement took its ranks over): a check is one call that reads a field
+    # how soon Serve's controller finds a dead replica (its default, 10 s, would be most of a replica's recovery,
+    # as the replacement takes its ranks over): a check is one call that reads a field
     health_check_period_s=ENGINE_HEALTH_CHECK_S,
 )
 class KVFleetEngine:
@@ -65,7 +66,7 @@ class KVFleetEngine:
         chose for this engine on `req`, if it did."""
         placed = req.placed(self._engine.config.engine_id)
         events = self._engine.generate(req.request_id, req.token_ids, req.params, req.cache_salt, announce=True,
-                                       drawn=req.drawn, placed=placed)
+                                       num_output_tokens=req.num_output_tokens, placed=placed)
         if placed is not None:  # from the next report on, the router finds it in this engine's load and room
             # popped and put back: the dict's order is the routers' last update, the first one the stalest
             self._tickets[req.router] = max(req.ticket, self._tickets.pop(req.router, -1))
@@ -75,7 +76,7 @@ class KVFleetEngine:
             async for ev in events:
                 yield ev
 
-    async def health(self) -> dict[str, Any]:
+    async def health(self) -> EngineHealth:
         return await self._engine.health()
 
     async def kv_events(self, after: str | None, timeout_s: float,
@@ -85,7 +86,7 @@ class KVFleetEngine:
         if replica is not None and replica != serve.get_replica_context().replica_id.unique_id:
             raise EngineError(f"engine {self._engine.config.engine_id!r} answered for replica {replica}, which "
                               "is not up: retry")
-        return await self._engine.kv_events(after, timeout_s)
+        return vllm_events(await self._engine.kv_events(after, timeout_s), self._engine.config.cache.tokens_per_block)
 
     async def follow(self, after: str | None, timeout_s: float, replica: str | None = None) -> FollowReport:
         """The fleet's `kv` router's long poll (deployment/router/fleet_view.py): this engine's KV events after

@@ -20,6 +20,7 @@ from typing import Any
 
 from aggregator.actor import StaleSession
 from aggregator.delta import Iteration
+from aggregator.messages import Ack
 from engine.backoff import backoff_s
 from engine.errors import one_line
 
@@ -60,8 +61,8 @@ class StatsChannel:
         """Register rank layouts; the first call attaches the engine. The aggregator's last emitted iteration
         (the engine's iterations continue after the one its attach returned)."""
         reply = await self.aggregator.register.remote(layouts, self.session)
-        self.epoch, self.session = reply["epoch"], reply["session"]
-        return reply["acked"]
+        self.epoch, self.session = reply.epoch, reply.session
+        return reply.acked
 
     async def drained(self) -> None:
         """Until every queued iteration is acknowledged (tests, shutdown)."""
@@ -95,15 +96,15 @@ class StatsChannel:
                 failures = 0
                 self._acknowledged(reply, batch[-1].iteration)
 
-    def _acknowledged(self, reply: dict[str, Any], newest: int) -> None:
-        acked = -1 if reply["acked"] is None else reply["acked"]
-        if self.epoch is not None and reply["epoch"] != self.epoch:
+    def _acknowledged(self, reply: Ack, newest: int) -> None:
+        acked = -1 if reply.acked is None else reply.acked
+        if self.epoch is not None and reply.epoch != self.epoch:
             log.warning("stats: aggregator restarted (epoch %s -> %s), re-sending from iteration %d", self.epoch,
-                        reply["epoch"], acked + 1)
+                        reply.epoch, acked + 1)
             self.sent = acked
         else:
             self.sent = max(self.sent, newest)
-        self.epoch = reply["epoch"]
+        self.epoch = reply.epoch
         self.acked = acked
         while self.unacked and self.unacked[0].iteration <= acked:
             self.unacked.popleft()

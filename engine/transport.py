@@ -5,7 +5,7 @@ raised (a `ray.exceptions.RayActorError` when the rank is gone), or None when it
 
 The compiled graph (`ray.dag`, shared-memory channels) holds every live rank; a rank whose plan is None is
 still in it but its task returns None at once without touching the rank (leaving it out would mean
-compiling again, ~0.5 s). Ranks step through `__ray_call__` with `_graph_step`, which never raises (an
+compiling again). Ranks step through `__ray_call__` with `_graph_step`, which never raises (an
 exception in one task would become every rank's result) and keeps its last result on the rank. When a rank
 dies Ray tears the whole graph down and every output is lost, so the transport asks each rank over an
 ordinary call what it did in that execution: a dead rank answers with RayActorError, a live one with the
@@ -100,7 +100,7 @@ def _no_actor(rank: int) -> ray.exceptions.RayActorError:
 
 
 class ActorCalls:
-    """One `step.remote(plan)` per stepped rank, gathered: ~0.7 ms of driver work per rank and step."""
+    """One `step.remote(plan)` per stepped rank, gathered: the driver's work grows with the ranks stepped."""
 
     def __init__(self, workers: list[ActorHandle | None]) -> None:
         self.workers = list(workers)

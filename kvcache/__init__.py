@@ -3,10 +3,11 @@
 Modules, lowest first: `stats` (counter indices, the spec's field names, the records; no torch), `config`
 (the manager's config and the life cycles / pool groups derived from the layers), `attention` (full and
 sliding-window policies: half-open stale ranges, blocks needed), `pool` (slot pools per tier, LRU of
-evictable pages, gauges and peaks), `tree` (the reuse tree of published blocks, per salt), `events` (KV
-events of the tree and the block keys, off unless asked for), `pending`
-(a request's pending statistics: segments, rollback, commit), `cache` (one request's `KVCache`), `manager`
-(`KVCacheManager`: tiers, eviction, offload/onboard, the public verbs the caches call, stats drains).
+evictable pages, gauges and peaks), `tree` (the reuse tree of published blocks), `reuse` (the trees' roots
+per salt, and how far a prompt matches), `events` (KV events of the tree and the block keys, off unless asked
+for), `pending` (a request's pending statistics: segments, rollback, commit), `cache` (one request's
+`KVCache`), `manager` (`KVCacheManager`: tiers, eviction, offload/onboard, the public verbs the caches call,
+stats drains).
 
 The statistics records import without torch, so the aggregator can share their field names without loading
 torch; the manager and its configs load torch on first use.

@@ -1,10 +1,11 @@
 """One request's KV cache: its pages per life cycle, its place in the reuse tree, its pending statistics.
 
 The cache decides what it needs; the manager's public verbs (`can_take`, `take`, `hold`, `release`, `lock`,
-`unlock`, `onboard`, `copy_partial`, `commit_stats`, `reuse_root`, `leave_root`, `prune`) do it, so pools,
-counters and the salts' roots stay the manager's. The attention policy of each life cycle says which blocks
-are stale. Everything here costs O(blocks touched). Names: `lc` is a life cycle id, `cycle` a `LifeCycle`;
-`pg` a pool group id, `group` a `PoolGroup`; `o` a block ordinal and `nb` a number of blocks.
+`unlock`, `onboard`, `copy_partial`, `commit_stats`) and its reuse trees' (`reuse.root`, `match`, `prune`,
+`leave`) do it, so pools, counters and the salts' roots stay the manager's. The attention policy of each life
+cycle says which blocks are stale. Everything here costs O(blocks touched). Names: `lc` is a life cycle id,
+`cycle` a `LifeCycle`; `pg` a pool group id, `group` a `PoolGroup`; `o` a block ordinal and `nb` a number of
+blocks.
 """
 
 from typing import TYPE_CHECKING
@@ -52,11 +53,11 @@ class KVCache:
         self._active = False
         self._closed = False
         self._partial_src = False  # the block at ordinal history // B is still a shared source page
-        self._root = mgr.reuse_root(cache_salt) if cfg.enable_block_reuse else None
+        self._root = mgr.reuse.root(cache_salt) if cfg.enable_block_reuse else None
         self._nodes = []
         n = 0
         if self._root is not None and len(tokens) > 1:
-            n, self._nodes, partial = mgr.match(self._root, tokens, len(tokens) - 1)
+            n, self._nodes, partial = mgr.reuse.match(self._root, tokens, len(tokens) - 1)
             if n:
                 self._adopt(n, partial)
             if self._nodes:
@@ -358,9 +359,9 @@ class KVCache:
         if self._nodes:
             tail = self._nodes[-1]
             tail.tails -= 1
-            mgr.prune(tail)  # only if its pages were dropped while we held it as our tail
+            mgr.reuse.prune(tail)  # only if its pages were dropped while we held it as our tail
         if self._root is not None:
-            mgr.leave_root(self._root)
+            mgr.reuse.leave(self._root)
         self._active = False
         self._closed = True
 

@@ -21,13 +21,13 @@ import logging
 
 import torch
 
-from kvcache.attention import cdiv
 from kvcache.cache import KVCache
 from kvcache.config import KVCacheManagerConfig, derive_layout, split_quota
-from kvcache.events import EventRecorder, root_key
+from kvcache.events import EventRecorder
 from kvcache.pending import PendingStats
 from kvcache.pool import Page, SlotPool
 from kvcache.residency import Residency, now
+from kvcache.reuse import ReuseTrees
 from kvcache.stats import (
     ALLOC_NEW,
     ALLOC_TOTAL,
@@ -46,7 +46,6 @@ from kvcache.stats import (
     KVCacheStatsDelta,
     PoolGroupSnapshot,
 )
-from kvcache.tree import Node, Root, last_missing
 
 log = logging.getLogger("kvfleet.kvcache")
 
@@ -86,7 +85,7 @@ class KVCacheManager:
         # block residency and tier-copy times, drained with each stats delta: recorded only with stats on, as
         # nothing else drains them (they would grow by a float per block touched)
         self.residency = Residency()
-        self._roots: dict[tuple, Root] = {}  # (type, salt) -> root, only while it is used (`Root.unused`)
+        self.reuse = ReuseTrees(self.life_cycles, self.tokens_per_block, config.enable_partial_reuse)
         # KV events follow the first life cycle that never goes stale (kvcache/events.py); None while off
         self.anchor_lc = next((c.id for c in self.life_cycles if not c.attention.can_go_stale), 0)
         self.kv_events: EventRecorder | None = None
@@ -111,7 +110,7 @@ class KVCacheManager:
         elif not on:
             self.kv_events = None
         if resync and self.kv_events is not None:
-            self.kv_events.snapshot(self._roots)
+            self.kv_events.snapshot(self.reuse.roots)
 
     def life_cycle_of_layer(self, layer_id: int) -> int:
         return self._lc_of_layer[layer_id]
@@ -347,7 +346,7 @@ class KVCacheManager:
                 self.kv_events.removed(node, page.tier)
             node.pages[page.lc] = None
             page.node = None
-            self.prune(node)
+            self.reuse.prune(node)
         page.slot = page.tier = -1
         if record:
             self._count(page.lc, DROPPED, DROPPED_BYTES)
@@ -356,72 +355,3 @@ class KVCacheManager:
         for pool in self._pools:
             pool.sample_peaks()
         self._dirty = False
-
-    # ---- reuse tree -------------------------------------------------------------------------------------
-    def reuse_root(self, salt) -> Root:
-        """The tree of one tenant's published blocks, held by the calling cache until its `leave_root`."""
-        # keyed by type and value: salts 1, True and 1.0 compare equal but are different tenants
-        key = (type(salt), salt)
-        root = self._roots.get(key)
-        if root is None:
-            root = self._roots[key] = Root(key, len(self.life_cycles))
-            root.key = root_key(salt)
-        root.tails += 1
-        return root
-
-    def leave_root(self, root: Root) -> None:
-        """A cache of the root's salt closed: the root goes if nothing else is under it."""
-        root.tails -= 1
-        if root.unused:
-            self._drop_root(root)
-
-    def prune(self, node: Node) -> None:
-        """Remove node's chain of empty nodes (`Node.prune`), and its root once unused, so a salt whose blocks
-        are all gone costs the rank nothing. O(nodes removed): no scan of the roots."""
-        top = node.prune()
-        if isinstance(top, Root) and top.unused:
-            self._drop_root(top)
-
-    def _drop_root(self, root: Root) -> None:
-        if self._roots.get(root.salt_key) is root:
-            del self._roots[root.salt_key]
-
-    def match(self, root: Node, tokens: list, limit: int) -> tuple[int, list[Node], Node | None]:
-        """Longest reusable prefix: (matched tokens, full-block nodes, node of the partial block or None)."""
-        B = self.tokens_per_block
-        nodes: list[Node] = []
-        node = root
-        for o in range(limit // B):
-            child = node.children.get(tuple(tokens[o * B:(o + 1) * B]))
-            if child is None:
-                break
-            nodes.append(child)
-            node = child
-        n = len(nodes) * B
-        partial = None
-        if self.config.enable_partial_reuse and n < limit:
-            partial, m = node.best_partial(tokens[n:], min(limit - n, B - 1))
-            n += m
-        n = self._valid_length(nodes + [partial], n)
-        if n % B == 0:
-            partial = None
-        return n, nodes[: n // B], partial
-
-    def _valid_length(self, holders: list, n: int) -> int:
-        """Shrink n until every life cycle has a page for each block it needs (all but the stale ones) at
-        history n; `holders[o]` is the node of ordinal o. Shrinking moves the stale ranges, so repeat until
-        no life cycle shrinks it further."""
-        B = self.tokens_per_block
-        changed = True
-        while changed and n > 0:
-            changed = False
-            for lc, cycle in enumerate(self.life_cycles):
-                while n > 0:
-                    start, end = cycle.attention.stale_range(n)
-                    missing = last_missing(holders, lc, cdiv(n, B), start, end)
-                    if missing < 0:
-                        break
-                    n = missing * B
-                    changed = True
-        return n
-

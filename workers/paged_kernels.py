@@ -1,7 +1,7 @@
 """Kernels of our own for paged attention, where torch has none that reads a block table in place.
 
-`cpu_decode_kernel()` builds (once per machine: torch's cpp_extension caches it in TORCH_EXTENSIONS_DIR, ~25 s
-the first time on 2 cores; `make venv` builds it, and a CPU rank loads it in its setup, ~1 s) and returns the
+`cpu_decode_kernel()` builds (once per machine: torch's cpp_extension caches it in TORCH_EXTENSIONS_DIR; the
+first build is slow, so `make venv` builds it, and a CPU rank loads it in its setup) and returns the
 CPU decode attention of csrc/paged_attention.cpp, or None where it cannot be built (no C++ compiler): the
 model then gathers the blocks as before. GPUs keep the gather path
 (torch's SDPA kernels there; a paged kernel for them is FlexAttention's or vLLM's, not this one).

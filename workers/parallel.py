@@ -215,8 +215,7 @@ class ReplicatedLinear(nn.Module):
 
 # a rank whose last step was shorter keeps its own threads when it may take more (StepPlan.threads): the
 # engine's, aggregator's and HTTP processes need the node's cores more than a step that short gains from them
-# (engine_bench's tiny model: 12 ms steps, 0.6x the tokens/s on two threads; SmolLM2 alone: ~80 ms, 0.62x
-# the time per token on two)
+# (the measurements behind it: bench/README.md, engine_bench.py)
 SHARE_CORES_MIN_S = 0.03
 
 

@@ -83,8 +83,8 @@ def _draw(out: list[int], rows: list[int], x: torch.Tensor, order: torch.Tensor 
           generators: list[torch.Generator | None]) -> list[int]:
     """One token per row of logits `x` (over the vocabulary, or over `order`'s sorted ids; -inf never drawn)
     into `out`, by inverting the row's cumulative distribution at one uniform draw: one random number per row
-    from its generator. torch.multinomial with a row's generator, and the Gumbel-max draw's noise for every
-    token, cost 14 ms and 1 ms a row of 49,152 logits; this is ~0.04 ms (bench/sampler_bench.py)."""
+    from its generator: far cheaper than torch.multinomial with a row's generator, or the Gumbel-max draw's
+    noise for every token (bench/README.md, sampler_bench.py)."""
     cdf = x.softmax(dim=-1).cumsum_(dim=-1)
     total = cdf[:, -1]
     u = torch.empty(len(rows), device=x.device)

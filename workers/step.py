@@ -45,18 +45,20 @@ class NewRequest:
     params: SamplingParams
     cache_salt: str | None = None
     warmup: bool = False  # warm-up requests are excluded from every statistic
-    drawn: int = 0  # tokens already sampled (a request re-prefilled on a new group): a seeded sampler goes on
+    # of `prompt`, the last tokens that are output already sampled (a request re-prefilled on a new group): a
+    # seeded sampler goes on from there
+    num_output_tokens: int = 0
     block_keys: list[int] | None = None  # the prompt's full blocks' keys (kvcache.events), computed once
 
 
 @dataclass
 class Work:
-    """Run up to `num_scheduled_tokens` tokens of a request (vLLM's word); `append` is the token sampled last
-    step (None in prefill)."""
+    """Run up to `num_scheduled_tokens` tokens of a request (vLLM's word); `new_token_id` is the token sampled
+    last step (None in prefill), which the rank appends first."""
 
     request_id: str
     num_scheduled_tokens: int
-    append: int | None = None
+    new_token_id: int | None = None
 
 
 @dataclass

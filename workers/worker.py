@@ -20,7 +20,7 @@ from typing import Any
 import ray
 import torch
 
-from aggregator.delta import RankDelta, RankLayout, StepFigures, pack
+from aggregator.delta import RankDelta, RankLayout, SchedulerStats, pack
 from kvcache import KVCacheManager
 from kvcache.events import partial_reuse_worth, reuse_table
 from workers.loader import kv_cache_config, load_model
@@ -65,16 +65,17 @@ def layout_of(kv: KVCacheManager, spec: RankSpec, incarnation: str, node_id: str
 
 
 class _Req:
-    __slots__ = ("id", "tokens", "params", "salt", "drawn", "device", "kv", "warmup", "prio", "keys", "first",
-                 "prompt_len")
+    __slots__ = ("id", "tokens", "params", "salt", "num_output_tokens", "device", "kv", "warmup", "prio", "keys",
+                 "first", "prompt_len")
 
     def __init__(self, new: NewRequest, device: str) -> None:
         self.id = new.request_id
         self.tokens = list(new.prompt)
         self.params = new.params
         self.salt = new.cache_salt
-        self.drawn = new.drawn
-        self.prompt_len = len(self.tokens) - new.drawn  # a re-sent request's prompt ends with its earlier output
+        self.num_output_tokens = new.num_output_tokens  # sampled so far: seeds the next draw
+        # a re-sent request's prompt ends with its earlier output
+        self.prompt_len = len(self.tokens) - new.num_output_tokens
         self.device = device
         self.kv = None
         self.warmup = new.warmup
@@ -91,7 +92,7 @@ class _Req:
     def generator(self) -> torch.Generator | None:
         """The generator of the request's next draw (seeded per draw: a rank that takes the request over
         draws what the first one would have)."""
-        return make_generator(self.params, self.device, self.drawn)
+        return make_generator(self.params, self.device, self.num_output_tokens)
 
 
 class RankWorker:
@@ -176,8 +177,7 @@ class RankWorker:
 
     # ---- the step -------------------------------------------------------------------------------------------
     # no task events: the GCS keeps up to 100,000 (task_events_max_num_task_in_gcs), and every rank's step is
-    # one, every iteration; they filled the GCS of the hour-long chaos soak (+135% RSS) and tell an operator
-    # nothing the stats stream does not
+    # one, every iteration; they would fill the GCS and tell an operator nothing the stats stream does not
     @ray.method(enable_task_events=False)
     def step(self, plan: StepPlan) -> StepResult:
         """One iteration: close, open the new requests, make room, forward, sample, commit, stats. A request
@@ -203,9 +203,9 @@ class RankWorker:
         out = StepResult(plan.iteration, ran, deferred, recomputed, suspended, reused, step_s, failed,
                          first_reuse=first_reuse, reused_host=reused_host)
         if recording:
-            generating = {w.request_id for w in plan.work if w.append is not None}
-            out.delta = self._delta(self._figures(step_s, runs, generating, deferred, suspended, was_suspended,
-                                                  cached))
+            generating = {w.request_id for w in plan.work if w.new_token_id is not None}
+            out.delta = self._delta(self._scheduler_stats(step_s, runs, generating, deferred, suspended,
+                                                          was_suspended, cached))
         if events:
             out.kv_events = self.kv.kv_events.drain()
             out.free_blocks = self.kv.get_kv_cache_stats().free_num_blocks
@@ -246,8 +246,8 @@ class RankWorker:
         """The plan's work on requests this rank holds, in priority order, with last step's sampled tokens."""
         order = [w for w in work if w.request_id in self.reqs]
         for w in order:
-            if w.append is not None:
-                self.reqs[w.request_id].tokens.append(w.append)
+            if w.new_token_id is not None:
+                self.reqs[w.request_id].tokens.append(w.new_token_id)
         return order
 
     def _forward(self, runs: list, failed: dict[str, str]) -> list[torch.Tensor] | None:
@@ -278,11 +278,11 @@ class RankWorker:
             ran[req.id] = (req.kv.history_length, sampled.get(i))
         return ran, first_reuse
 
-    def _figures(self, step_s: float, runs: list, generating: set[str], deferred: list[str], suspended: list[str],
-                 was_suspended: set[str], cached: list[int]) -> StepFigures:
+    def _scheduler_stats(self, step_s: float, runs: list, generating: set[str], deferred: list[str],
+                         suspended: list[str], was_suspended: set[str], cached: list[int]) -> SchedulerStats:
         n_gen = sum(1 for req, _ in runs if req.id in generating)
         gpu, cpu, pinned = self._memory()
-        return StepFigures(
+        return SchedulerStats(
             step_us=int(step_s * 1e6), num_scheduled_requests=len(runs), num_context_requests=len(runs) - n_gen,
             num_gen_requests=n_gen, num_paused_requests=len(deferred) + len(suspended),
             num_ctx_tokens=sum(len(tokens) for req, tokens in runs if req.id not in generating),
@@ -313,7 +313,7 @@ class RankWorker:
                 except Exception as e:
                     self._fail(req, e, failed)
         for i in sampled:
-            runs[i][0].drawn += 1
+            runs[i][0].num_output_tokens += 1
         return sampled
 
     def _fail(self, req: _Req, error: Exception, failed: dict[str, str]) -> None:
@@ -379,14 +379,14 @@ class RankWorker:
         req.kv = None
         recomputed.append(req.id)
 
-    def _delta(self, figures: StepFigures) -> RankDelta:
+    def _delta(self, scheduler_stats: SchedulerStats) -> RankDelta:
         """Drain this iteration's KV cache stats into one packed row (O(life cycles + pool groups))."""
         report = self.kv.get_iteration_stats()
         gauges = [pg.primary + pg.secondary for pg in report.pool_groups]
         kv_stats = astuple(self.kv.get_kv_cache_stats())
         if any(self.counted_from):  # an adopted rank's counters, from its adoption (KvCacheStats: 4 gauges first)
             kv_stats = kv_stats[:4] + tuple(c - b for c, b in zip(kv_stats[4:], self.counted_from, strict=True))
-        row = pack(self.layout, report.counters, gauges, kv_stats, astuple(figures))
+        row = pack(self.layout, report.counters, gauges, kv_stats, astuple(scheduler_stats))
         return RankDelta(self.spec.rank, self.incarnation, row, self.kv.residency.drain())
 
     def _memory(self) -> tuple[int, int, int]:

@@ -9,7 +9,7 @@ from ray.serve.handle import DeploymentHandle
 from deployment.ingress.resend import resending
 from deployment.router.fleet_view import FleetFollower, fleet_view
 from engine.errors import RETRY_AFTER_DOWN_S, EngineError, RequestError, RequestFailed, check_request
-from engine.messages import EngineInfo, GenerateRequest
+from engine.messages import EngineHealth, EngineInfo, GenerateRequest
 
 _ENGINE_ERRORS = (RequestError, EngineError, RequestFailed)
 
@@ -48,9 +48,9 @@ class EngineClient:
 
         text = self.tokenizer.decode(prompt_token_ids) if self.routing == "prefix_affinity" else ""
 
-        def send(rid: str | None, prompt: list[int], left: Any, drawn: int) -> Any:
+        def send(rid: str | None, prompt: list[int], left: Any, num_output_tokens: int) -> Any:
             # a re-send is routed anew (`kv`), by what it is now: prompt + tokens so far
-            return self._stream.generate.remote(GenerateRequest(prompt, left, rid, cache_salt, drawn, text))
+            return self._stream.generate.remote(GenerateRequest(prompt, left, rid, cache_salt, num_output_tokens, text))
 
         events = resending(send, request_id, prompt_token_ids, params, self.resend_s, self.resend_s)
         try:
@@ -61,7 +61,7 @@ class EngineClient:
         finally:
             await events.aclose()  # a client that left (or a stop string) aborts the engine's request
 
-    async def health(self) -> dict[str, Any]:
+    async def health(self) -> EngineHealth:
         try:
             return await self._h.health.remote()
         except Exception as e:

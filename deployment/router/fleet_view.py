@@ -45,7 +45,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.kv_index import KVIndex
-from engine.kv_stream import index_events
 from engine.messages import FollowReport, GenerateRequest, GroupState
 from engine.placement import kv_rank
 from kvcache.events import prompt_keys
@@ -346,12 +345,11 @@ class FleetFollower:
             v = ReplicaView(got.engine, got.block_size, KVIndex(len(got.groups), 1 << 30, got.block_size), got.groups)
             self.view.replicas[rid] = v
         ok = True
-        for eid, event in got.events:
+        for ev in got.events:
             try:
-                dp, events = index_events(event)
-                ok = v.index.apply(dp, events) and ok
-            except (KeyError, ValueError, IndexError, TypeError):  # not an event this stream sends: resync
+                ok = v.index.apply(ev.dp, ev.events) and ok
+            except (IndexError, TypeError):  # not an event this stream sends (no such group): resync
                 ok = False
-            v.last_id = eid
+            v.last_id = ev.id
         v.report(got.groups, got.tickets.get(self.view.id, -1))
         return v.last_id if ok else None

@@ -121,7 +121,7 @@ def test_stats_stream_adds_up_to_the_cluster_totals(engine):
     last = eng.iteration - 1
     agg = eng.aggregator
     deadline = time.monotonic() + 60
-    while ray.get(agg.health.remote())["last_iter"] in (None, *range(last)):
+    while ray.get(agg.health.remote()).last_iter in (None, *range(last)):
         assert time.monotonic() < deadline, "the aggregator never emitted the engine's last iteration"
         time.sleep(0.1)
     recs = ray.get(agg.query.remote(-1, None, False))

@@ -130,7 +130,7 @@ def test_the_engine_replica_killed_is_replaced_and_the_counters_go_on(app):
     assert new and new[0]["iter"] > last_iter
     assert _health(app)["aggregator"]["epoch"] == 1  # the detached aggregator lived through it
     # in its fixed namespace, so an operator's driver (or a new replica in any namespace) finds it by name
-    assert ray.get(ray.get_actor(f"kvfleet-stats-{ENGINE_ID}", namespace="kvfleet").health.remote())["ok"]
+    assert ray.get(ray.get_actor(f"kvfleet-stats-{ENGINE_ID}", namespace="kvfleet").health.remote()).ok
 
 
 def test_an_ingress_replica_killed_mid_stream_loses_no_stream_and_the_engine_goes_on(app):

@@ -8,7 +8,7 @@ import pytest
 
 from deployment.clients.client import StatsClient
 from deployment.ingress.sse import SSEDecoder
-from engine.placement import salt_label
+from engine.routing_record import salt_label
 from kvcache.events import prompt_keys
 
 pytestmark = pytest.mark.slow

@@ -25,7 +25,7 @@ def test_aggregator_killed_mid_stream_loses_and_doubles_nothing(ray_cluster):
             channel.put(cluster.iteration(i))
             if i == 30:
                 # some of epoch 1 emitted first (a loaded machine may not have got that far by iteration 30)
-                while (await agg.health.remote())["last_iter"] in (None, *range(10)):
+                while (await agg.health.remote()).last_iter in (None, *range(10)):
                     await asyncio.sleep(0.01)  # poll interval
                 ray.kill(agg, no_restart=False)  # mid-stream, calls in flight
             await asyncio.sleep(0.002)
@@ -34,7 +34,7 @@ def test_aggregator_killed_mid_stream_loses_and_doubles_nothing(ray_cluster):
 
     channel = asyncio.run(run())
     health = ray.get(agg.health.remote())
-    assert health["epoch"] == 2 and health["last_iter"] == 59 and channel.epoch == 2
+    assert health.epoch == 2 and health.last_iter == 59 and channel.epoch == 2
     recs = ray.get(agg.query.remote(-1))
     iters = [r["iter"] for r in recs]
     assert iters == list(range(60))  # the restored tail and the new epoch's records: no gap, none twice
@@ -68,7 +68,7 @@ def test_a_rank_killed_mid_generation_is_restarted_and_its_requests_complete(ray
                 return [ev.token_id async for ev in eng.generate(None, [1, 2, 3, i + 4], params)]
 
             expected = [await one(i) for i in range(4)]
-            before = (await eng.aggregator.ranks.remote())["1"]["incarnation"]
+            before = (await eng.aggregator.ranks.remote())["1"].incarnation
             runs = [asyncio.ensure_future(one(i)) for i in range(4)]
             deadline = time.monotonic() + 60
             while not any(len(r.generated) >= 2 for r in eng._groups[1].running):
@@ -81,7 +81,7 @@ def test_a_rank_killed_mid_generation_is_restarted_and_its_requests_complete(ray
                 await asyncio.sleep(0.05)
             assert [await one(i) for i in range(4)] == expected
             await asyncio.wait_for(eng.stats.drained(), 30)
-            after = (await eng.aggregator.ranks.remote())["1"]["incarnation"]
+            after = (await eng.aggregator.ranks.remote())["1"].incarnation
             return before, after, eng.aggregator
         finally:
             await eng.shutdown()
@@ -94,5 +94,5 @@ def test_a_rank_killed_mid_generation_is_restarted_and_its_requests_complete(ray
     assert recs[-1]["complete"] and down[-1] < len(recs) - 1
     totals = [r["kvCacheStats"]["allocTotalBlocks"] for r in recs]
     assert totals == sorted(totals)  # the cluster cumulative never goes backwards across the restart
-    assert ray.get(agg.ranks.remote())["1"]["healthy"]
+    assert ray.get(agg.ranks.remote())["1"].healthy
     ray.kill(agg, no_restart=True)

@@ -89,11 +89,11 @@ async def make_engine(**overrides) -> Engine:
     for dp in range(s.dp):  # what Engine.start takes from the ranks' setup
         eng._set_limit(dp, [{"max_request_tokens": longest_request(w)} for w in eng.rank_workers[dp * s.tp:][:s.tp]])
     eng.vocab_size = eng.rank_workers[0].model.config.vocab_size
-    eng.router.reuse_table = reuse_table(eng.rank_workers[0].kv)  # what Engine.start takes from the ranks' setup
-    eng.router.partial_worth = partial_reuse_worth(eng.rank_workers[0].kv)
+    eng.placement.reuse_table = reuse_table(eng.rank_workers[0].kv)  # what Engine.start takes from the ranks' setup
+    eng.placement.partial_worth = partial_reuse_worth(eng.rank_workers[0].kv)
     for dp in range(s.dp):
-        eng.router.group_started(dp, setup_info(eng.rank_workers[dp * s.tp]))
-    eng.router.publisher.start()  # what Engine.start does first (a no-op unless kv_events_publisher is zmq)
+        eng.hub.group_started(dp, setup_info(eng.rank_workers[dp * s.tp]))
+    eng.hub.publisher.start()  # what Engine.start does first (a no-op unless kv_events_publisher is zmq)
     eng._loop_task = asyncio.get_running_loop().create_task(eng._loop())
     return eng
 

@@ -14,12 +14,13 @@ import httpx
 import pytest
 import uvicorn
 
+from aggregator.messages import AggregatorHealth, RankHealth
 from deployment.ingress.api.routes import create_api
 from deployment.ingress.stats.mirror import StatsMirror
 from deployment.settings import Settings
 from engine.errors import EngineError, Overloaded, RequestError, RequestFailed, check_request
-from engine.kv_stream import KVEventStream
-from engine.messages import ADMITTED
+from engine.kv_stream import KVEventStream, vllm_events
+from engine.messages import ADMITTED, EngineHealth
 from workers.tokenizer import ByteTokenizer
 
 EOS = ByteTokenizer.eos_token_id
@@ -63,11 +64,11 @@ class FakeEngine:
         if "REJECT" in self.tokenizer.decode(ids):
             raise RequestError("the engine refuses this prompt", "engine_rejected")
 
-    async def health(self) -> dict:
-        return {"ranks": 2}
+    async def health(self) -> EngineHealth:
+        return EngineHealth(True, 2, 0, 0, 0, 0, {}, {})
 
     async def kv_events(self, after: str | None, timeout_s: float) -> list:
-        return await self.kv_stream.wait(after, min(timeout_s, 0.3))
+        return vllm_events(await self.kv_stream.wait(after, min(timeout_s, 0.3)), self.kv_stream.block_size)
 
     async def generate(self, request_id: str, ids: list[int], params, cache_salt=None):
         self.started.append(request_id)
@@ -151,8 +152,8 @@ class FakeStats:
                 return out
             await asyncio.sleep(0.01)
 
-    async def ranks(self) -> dict:
-        return {"0": {"rank": 0, "healthy": True}, "1": {"rank": 1, "healthy": True}}
+    async def ranks(self) -> dict[str, RankHealth]:
+        return {str(r): RankHealth(r, r, 0, None, None, None, True, None, None, None) for r in range(2)}
 
     async def kv_cache_stats(self) -> dict:
         with self._lock:
@@ -161,10 +162,12 @@ class FakeStats:
     async def metrics_text(self) -> str:
         return "# TYPE kvfleet_reused_blocks_total counter\nkvfleet_reused_blocks_total 0\n"
 
-    async def health(self) -> dict:
+    async def health(self) -> AggregatorHealth:
         if self.down:
             raise ConnectionError(self.down)
-        return {"records": len(self.records)}
+        n = len(self.records)
+        return AggregatorHealth(True, self.engine_id, self.epoch, 2, 1, n - 1 if n else None, n, 0 if n else None, n,
+                                2, {"records": n}, 0.0)
 
 
 def _free_port() -> int:

@@ -83,7 +83,7 @@ def random_cache_op(op: str, kv, rng, prompt: list[int], max_len: int) -> None:
 def tree_blocks(mgr: KVCacheManager) -> dict[int, int]:
     """key -> tier of every block whose anchor page the manager holds (walking the tree itself)."""
     out = {}
-    for root in mgr._roots.values():
+    for root in mgr.reuse.roots.values():
         stack = list(root.children.values())
         while stack:
             node = stack.pop()

@@ -27,7 +27,7 @@ from deployment.ingress.resend import with_seed
 from deployment.ingress.sse import SSE_EVENT, SSE_HEADERS, format_comment, format_event, last_event_id
 from deployment.settings import Settings
 from engine.errors import RequestError
-from engine.messages import Admitted
+from engine.messages import Admitted, EngineHealth
 
 logger = logging.getLogger("kvfleet.deployment")
 
@@ -47,7 +47,7 @@ class EngineProtocol(Protocol):
     def generate(self, request_id: str | None, prompt_token_ids: list[int], params: Any,
                  cache_salt: str | None = None) -> AsyncGenerator[Any, None]:
         """Token events; an engine behind a handle yields `ADMITTED` first, once it has admitted the request."""
-    async def health(self) -> dict[str, Any]: ...
+    async def health(self) -> EngineHealth: ...
 
 
 async def _admitted(events: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:

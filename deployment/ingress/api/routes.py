@@ -10,6 +10,7 @@ never happens: validation errors are answered 400), and each route's real media 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import Any
 
@@ -63,7 +64,7 @@ def create_api(engine: EngineProtocol, stats: StatsMirror | FleetStats, settings
             logger.warning("health check failed: %s", reason)
             return ErrorResponse(error_body(f"unhealthy: {reason}", "service_unavailable", "unhealthy"),
                                  status_code=503)
-        return JSONResponse({"status": "ok", "engine": eng, "aggregator": agg})
+        return JSONResponse({"status": "ok", "engine": dataclasses.asdict(eng), "aggregator": agg})
 
     api.openapi = lambda: _openapi(api, guard)
     return api
@@ -74,7 +75,7 @@ async def fleet_health(engine: EngineProtocol, fleet: FleetStats) -> Response:
     the handle's call; 200 while any engine is up."""
     async def answered() -> dict[str, Any]:
         try:
-            return await asyncio.wait_for(engine.health(), HEALTH_TIMEOUT_S)
+            return dataclasses.asdict(await asyncio.wait_for(engine.health(), HEALTH_TIMEOUT_S))
         except Exception as exc:
             return {"ok": False, "why": f"{type(exc).__name__}: {clean_message(exc)}"}
     eng, engines = await asyncio.gather(answered(), fleet.engines_health(HEALTH_TIMEOUT_S))

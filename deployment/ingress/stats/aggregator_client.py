@@ -2,6 +2,8 @@
 
 from typing import Any
 
+from aggregator.messages import AggregatorHealth, RankHealth
+
 # how long the aggregator gathers records once a long poll has one: an engine emits a record a step, so without it
 # each mirror makes an actor call a record (most of the ingress's CPU a record: bench/fleet_scale.py); with it,
 # a call a LINGER_S at most, and a record reaches the ingress at most this much later
@@ -41,7 +43,7 @@ class AggregatorClient:
     async def wait_records(self, since: int, timeout_s: float) -> list[dict]:
         return await self._call("wait_records", since, timeout_s=timeout_s, linger_s=LINGER_S)
 
-    async def ranks(self) -> dict:
+    async def ranks(self) -> dict[str, RankHealth]:
         return await self._call("ranks")
 
     async def kv_cache_stats(self) -> dict:
@@ -50,5 +52,5 @@ class AggregatorClient:
     async def metrics_text(self) -> str:
         return await self._call("metrics_text")
 
-    async def health(self) -> dict:
+    async def health(self) -> AggregatorHealth:
         return await self._call("health")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -23,6 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from aggregator.buffer import LongPoll, RecordBuffer
+from aggregator.messages import AggregatorHealth, RankHealth
 from deployment.ingress.sse import format_comment, format_event
 from engine.backoff import backoff_s
 
@@ -33,14 +35,14 @@ CHUNK = 1000  # records a reader takes from the mirror at once: one SSE write at
 
 
 class Upstream(Protocol):
-    """What the mirror needs of the aggregator (deployment/ingress.ActorStats adapts the actor handle)."""
+    """What the mirror needs of the aggregator (aggregator_client.py `AggregatorClient` calls the actor)."""
 
     async def query(self, since: int, limit: int | None, ranks: bool) -> list[dict]: ...
     async def wait_records(self, since: int, timeout_s: float) -> list[dict]: ...
-    async def ranks(self) -> dict: ...
+    async def ranks(self) -> dict[str, RankHealth]: ...
     async def kv_cache_stats(self) -> dict: ...
     async def metrics_text(self) -> str: ...
-    async def health(self) -> dict: ...
+    async def health(self) -> AggregatorHealth: ...
 
 
 async def paced(changes: LongPoll, poll: Callable[[], list], interval_s: float,
@@ -242,11 +244,14 @@ class StatsMirror:
             self._metrics = (time.monotonic(), text)
         return text
 
-    async def ranks(self) -> dict:
-        return await self.upstream.ranks()
+    async def ranks(self) -> dict[str, dict[str, Any]]:
+        """Every rank's health, as /stats/ranks shows it."""
+        return {rank: dataclasses.asdict(r) for rank, r in (await self.upstream.ranks()).items()}
 
     async def health(self) -> dict[str, Any]:
-        return {**await self.upstream.health(), "mirrored": len(self._records), "subscribers": self.subscribers}
+        """The aggregator's health and what this mirror holds: the /health `aggregator` object."""
+        h = dataclasses.asdict(await self.upstream.health())
+        return {**h, "mirrored": len(self._records), "subscribers": self.subscribers}
 
 
 def _identity(record: dict) -> tuple:

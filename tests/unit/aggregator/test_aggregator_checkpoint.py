@@ -54,13 +54,13 @@ async def _scenario(cluster: FakeCluster, its: list, crash_after: int | None):
     await body.register(cluster.layouts)
     acked = -1
     for start in range(0, PRIOR, 5):
-        acked = (await body.ingest(its[start:min(start + 5, PRIOR)]))["acked"]
+        acked = (await body.ingest(its[start:min(start + 5, PRIOR)])).acked
     assert acked == PRIOR - 1
     before = store.writes
     store.limit = None if crash_after is None else before + crash_after
     restored = None
     try:
-        acked = (await body.ingest(its[PRIOR:]))["acked"]
+        acked = (await body.ingest(its[PRIOR:])).acked
     except Crash:
         store.limit = None
         body = StatsAggregatorImpl("e", 2, 1, checkpoint=store)
@@ -101,7 +101,7 @@ def test_a_large_batch_dying_before_its_state_keeps_the_acknowledged_tail():
     async def run():
         body = StatsAggregatorImpl("e", 2, 1, checkpoint=store)
         await body.register(cluster.layouts)
-        assert (await body.ingest([cluster.iteration(i) for i in range(100)]))["acked"] == 99
+        assert (await body.ingest([cluster.iteration(i) for i in range(100)])).acked == 99
         store.limit = store.writes + actor.TAIL_RECORDS  # every slot of the first chunk, not its state
         with pytest.raises(Crash):
             await body.ingest([cluster.iteration(i) for i in range(100, 400)])
@@ -125,7 +125,7 @@ async def _failing_once(cluster: FakeCluster, its: list, fail_at: int):
     with pytest.raises(Crash):
         await body.ingest(its[PRIOR:])
     store.limit = None
-    return body, store, (await body.ingest(its[PRIOR:]))["acked"]
+    return body, store, (await body.ingest(its[PRIOR:])).acked
 
 
 @pytest.mark.parametrize("batch", [5, 20])  # one chunk, and chunks of TAIL

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from aggregator.messages import RankHealth
 from deployment.ingress.api.routes import create_api
 from deployment.ingress.stats.fleet import FleetStats
 from deployment.ingress.stats.mirror import StatsMirror
@@ -48,10 +49,10 @@ class RecordStats(FakeStats):
                 self.records.append(self._record(len(self.records), missing_every))
             self.cumulative = dict(self.cum)
 
-    async def ranks(self) -> dict:
+    async def ranks(self) -> dict[str, RankHealth]:
         last = self.records[-1] if self.records else {"missingRanks": []}
-        return {str(r): {"rank": r, "dp_rank": r, "tp_rank": 0, "healthy": r not in last["missingRanks"],
-                         "record": {"kvCacheStats": {"maxNumBlocks": 32, "usedNumBlocks": 8 * (r + 1)}}}
+        return {str(r): RankHealth(r, r, 0, None, None, None, r not in last["missingRanks"], None, None,
+                                   {"kvCacheStats": {"maxNumBlocks": 32, "usedNumBlocks": 8 * (r + 1)}})
                 for r in range(2)}
 
     def _record(self, it: int, missing_every: int) -> dict:

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import ray
 
 from deployment.router.fleet_view import SENT_S, FleetFollower, FleetView, Sent, place
-from engine.messages import ADMITTED, FollowReport, GenerateRequest
-from kvcache.events import prompt_keys
+from engine.messages import ADMITTED, FollowReport, GenerateRequest, KVStreamEvent
+from kvcache.events import REMOVED, KVEvent, prompt_keys
 from tests.support.engine_harness import make_engine, settled, until
 from workers.sampling_params import SamplingParams
 
@@ -87,13 +87,13 @@ def test_the_replica_holding_the_prefix_gets_it_and_predicted_equals_realized():
             rid, _ = await fleet.ask(TENANT_B + [210 + i])
             assert rid == first_b
         for rid, eng in fleet.engines.items():
-            rec = eng.router.take_record()
+            rec = eng.routing_record.take()
             fleet_rec = rec["fleet"]
             assert fleet_rec["requests"] == rec["requests"] == 4  # every request was placed by the fleet
             assert fleet_rec["predictedReusedBlocks"] == fleet_rec["realizedReusedBlocks"] \
-                == 3 * eng.router.reuse_table[6] > 0
+                == 3 * eng.placement.reuse_table[6] > 0
             # the router's index of each replica is exactly what its rank holds
-            assert fleet.view.replicas[rid].index.blocks == eng.router.index.blocks
+            assert fleet.view.replicas[rid].index.blocks == eng.hub.index.blocks
 
     run(main())
 
@@ -105,12 +105,12 @@ def test_the_fleet_predicts_the_block_a_rank_reuses_in_part_as_the_engine_does()
         fleet = await two_engines()
         first, _ = await fleet.ask(TENANT_A + [200, 201, 202, 203])  # publishes a trailing block [200, 201, ...]
         for eng in fleet.engines.values():
-            eng.router.take_record()
+            eng.routing_record.take()
         rid, routed = await fleet.ask(TENANT_A + [200, 201, 77, 78])
         assert rid == first and routed.blocks == 6 and routed.partial == 2
         eng = fleet.engines[rid]
-        rec = eng.router.take_record()
-        want = eng.router.reuse_table[6] + eng.router.partial_worth
+        rec = eng.routing_record.take()
+        want = eng.placement.reuse_table[6] + eng.placement.partial_worth
         assert rec["fleet"]["predictedReusedBlocks"] == rec["fleet"]["realizedReusedBlocks"] == want
         assert rec["predictedReusedBlocks"] == want
 
@@ -124,8 +124,8 @@ def test_the_chosen_dp_group_is_where_the_engine_puts_it():
         again_rid, again = await fleet.ask(TENANT_A + [201])
         assert (again_rid, again.dp) == (rid, routed.dp) and again.blocks == 6
         eng = fleet.engines[rid]
-        assert eng.router.index.prefix(routed.dp, prompt_keys(TENANT_A, B)) == (6, 0)
-        assert eng.router.take_record()["perGroupRequests"][routed.dp] == 2
+        assert eng.hub.index.prefix(routed.dp, prompt_keys(TENANT_A, B)) == (6, 0)
+        assert eng.routing_record.take()["perGroupRequests"][routed.dp] == 2
 
     run(main())
 
@@ -213,15 +213,15 @@ def test_an_event_that_does_not_fit_asks_for_a_snapshot():
         fleet = await two_engines()
         rid, _ = await fleet.ask(TENANT_A + [200])
         view = fleet.view.replicas[rid]
-        bogus = {"type": "BlockRemoved", "block_hashes": [12345], "medium": "GPU", "dp_rank": 0}
-        assert fleet.follower._apply(rid, FollowReport(rid, view.engine, B, [("x-1", bogus)],
+        bogus = KVStreamEvent("x-1", 0, 0.0, (KVEvent(REMOVED, 12345),))  # an unknown block removed
+        assert fleet.follower._apply(rid, FollowReport(rid, view.engine, B, [bogus],
                                                        view.groups)) is None  # resume from a snapshot
         assert view.index.resync[0]
         fleet.after[rid] = None
         await fleet.sync()
-        assert view.index.blocks == fleet.engines[rid].router.index.blocks and not view.index.resync[0]
-        malformed = {"type": "BlockShuffled", "dp_rank": 0}
-        assert fleet.follower._apply(rid, FollowReport(rid, view.engine, B, [("x-2", malformed)],
+        assert view.index.blocks == fleet.engines[rid].hub.index.blocks and not view.index.resync[0]
+        malformed = KVStreamEvent("x-2", 0, 0.0, (KVEvent(99),))  # a kind this stream never sends
+        assert fleet.follower._apply(rid, FollowReport(rid, view.engine, B, [malformed],
                                                        view.groups)) is None
 
     run(main())

@@ -67,13 +67,14 @@ class Handle:
         return self
 
     def remote(self, req) -> Stream:
-        rid, prompt, params, salt, drawn = req.request_id, req.token_ids, req.params, req.cache_salt, req.drawn
+        rid, prompt, params, salt, num_output_tokens = (req.request_id, req.token_ids, req.params, req.cache_salt,
+                                                        req.num_output_tokens)
         i = len(self.calls)
-        self.calls.append((rid, list(prompt), params, drawn))
+        self.calls.append((rid, list(prompt), params, num_output_tokens))
         eng = self.replicas[min(i, len(self.replicas) - 1)]
         if isinstance(eng, BaseException):
             return Stream(None, fail=eng)
-        events = eng.generate(rid, prompt, params, salt, announce=True, drawn=drawn)
+        events = eng.generate(rid, prompt, params, salt, announce=True, num_output_tokens=num_output_tokens)
         return Stream(events, self.die_after.get(i), self.fail.get(i))
 
 
@@ -200,7 +201,7 @@ def test_the_first_admission_keeps_its_own_timeout(monkeypatch):
         monkeypatch.setattr(resend, "RESEND_BACKOFF_S", (0.01, 0.02))
         calls = itertools.count()
 
-        async def unreachable(rid, prompt, params, drawn):
+        async def unreachable(rid, prompt, params, num_output_tokens):
             next(calls)
             raise ray.exceptions.ActorUnavailableError("unreachable", None)
             yield

@@ -7,8 +7,8 @@ import pytest
 import ray
 import torch
 
-from engine.core import first_iteration
 from engine.errors import RequestError, RequestFailed
+from engine.lifecycle import first_iteration
 from tests.support.engine_harness import generate, make_engine, settled
 from workers import worker as worker_module
 from workers.sampling_params import SamplingParams
@@ -27,7 +27,7 @@ def test_a_tiny_temperature_is_greedy_and_the_engine_goes_on():
         greedy = await generate(eng, PROMPT, max_tokens=4, temperature=0.0)
         assert await generate(eng, PROMPT, max_tokens=4, temperature=1e-40) == greedy
         assert await generate(eng, PROMPT, max_tokens=4, temperature=0.0) == greedy
-        assert (await eng.health())["ok"]
+        assert (await eng.health()).ok
 
     assert SamplingParams(temperature=1e-6).greedy and not SamplingParams(temperature=1e-4).greedy
     run(main())
@@ -181,7 +181,7 @@ def test_a_bug_in_the_step_loop_fails_the_engine_and_its_health_instead_of_hangi
         def bug(plans):
             raise KeyError("a bug")
 
-        eng.router.plan = bug
+        eng.hub.plan = bug
         with pytest.raises(EngineError, match="step loop failed: KeyError"):
             await asyncio.wait_for(generate(eng, PROMPT, max_tokens=2), 10)
         assert eng.error and eng._loop_task.done()

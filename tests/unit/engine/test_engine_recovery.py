@@ -60,7 +60,7 @@ def test_a_dead_ranks_requests_finish_elsewhere_with_the_tokens_of_a_run_without
         await until(lambda: eng._groups[1].down is None, "the group's return")
         assert eng._groups[1].restarts == 1 and len(eng.launches) == 1
         health = await eng.health()
-        assert health["down_groups"] == {} and health["groups"]["1"]["restarts"] == 1
+        assert health.down_groups == {} and health.groups["1"].restarts == 1
         again = await asyncio.gather(*[generate(eng, p, **params) for p in PROMPTS])
         assert again == expected
         assert eng.rank_workers[1].kv.get_kv_cache_stats().alloc_total_blocks > 0  # the new rank serves
@@ -84,9 +84,9 @@ def test_a_group_that_keeps_dying_stays_down_and_the_others_serve():
         await until(lambda: eng._groups[1].stays_down, "the group staying down")
         assert len(eng.launches) == 2 and eng._groups[1].failures == 3  # a death, then two failed restarts
         health = await eng.health()
-        assert health["ok"] and list(health["down_groups"]) == ["1"]
-        assert "stays down after 3 failures" in health["down_groups"]["1"]
-        assert health["groups"]["1"]["stays_down"] and not health["groups"]["1"]["restarting"]
+        assert health.ok and list(health.down_groups) == ["1"]
+        assert "stays down after 3 failures" in health.down_groups["1"]
+        assert health.groups["1"].stays_down and not health.groups["1"].restarting
         assert len(await generate(eng, PROMPTS[0], **params)) == 6  # group 0 serves on
         eng.workers[0].fail = always_dead
         with pytest.raises(EngineError):
@@ -124,7 +124,7 @@ def test_with_no_group_up_a_request_waits_for_the_restart_and_completes():
         gate.set()
         assert await asyncio.gather(*pending) == expected
         assert len(await late) == 10
-        assert (await eng.health())["groups"]["0"]["restarts"] == 1
+        assert (await eng.health()).groups["0"].restarts == 1
 
     run(main())
 
@@ -267,7 +267,7 @@ def test_a_rank_adopted_by_a_new_engine_keeps_its_cache_and_counts_from_its_adop
     records still sum to the cumulative). A rank set up for other settings is not taken."""
     from dataclasses import fields
 
-    from aggregator.delta import StepFigures
+    from aggregator.delta import SchedulerStats
     from workers.step import NewRequest, StepPlan, Work
 
     async def main():
@@ -287,7 +287,7 @@ def test_a_rank_adopted_by_a_new_engine_keeps_its_cache_and_counts_from_its_adop
         at = w.kv.get_kv_cache_stats()
         new = NewRequest("after", prompt, SamplingParams(max_tokens=1, temperature=0.0), None)
         res = w.step(StepPlan(eng.iteration + 1, [new], [Work("after", len(prompt))], record=True))
-        n = len(fields(StepFigures))
+        n = len(fields(SchedulerStats))
         kv = res.delta.row[-n - 8:-n].tolist()  # KvCacheStats: 4 gauges, then alloc total/new, reused, missed
         now = w.kv.get_kv_cache_stats()
         assert kv[4:] == [now.alloc_total_blocks - at.alloc_total_blocks, now.alloc_new_blocks - at.alloc_new_blocks,

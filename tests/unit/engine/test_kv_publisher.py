@@ -25,7 +25,7 @@ from engine import kv_publisher
 from engine.errors import EngineError
 from engine.kv_index import KVIndex
 from engine.kv_publisher import KVEventPublisher, offset_endpoint
-from engine.placement import salt_label
+from engine.routing_record import salt_label
 from kvcache.events import CLEARED, MOVED, REMOVED, STORED, KVEvent, prompt_keys
 from tests.support.engine_harness import make_engine, settled
 from workers.sampling_params import SamplingParams
@@ -57,7 +57,7 @@ def test_a_subscriber_process_rebuilds_every_groups_index_from_the_wire():
         eng = await make_engine(dp=2, kv_cache_bytes=256 << 10, host_cache_bytes=256 << 10, max_seq_len=256,
                                 routing="round_robin", kv_events_publisher="zmq", kv_events_endpoint="tcp://*:0",
                                 kv_events_replay_endpoint="tcp://*:0", kv_events_topic="kvfleet-test")
-        pub = eng.router.publisher
+        pub = eng.hub.publisher
         local = [tuple(e.replace("0.0.0.0", "127.0.0.1") for e in eps) for eps in pub.endpoints]
         cfg = {"pub": [p for p, _ in local], "replay": [r for _, r in local], "topic": "kvfleet-test",
                "secrets": list(SALTS)}
@@ -86,13 +86,13 @@ def test_a_subscriber_process_rebuilds_every_groups_index_from_the_wire():
                 proc.kill()
             proc.wait(10)
         for dp in range(2):
-            full = {k: t for k, t in eng.router.index.blocks[dp].items() if k not in eng.router.index.partial[dp]}
+            full = {k: t for k, t in eng.hub.index.blocks[dp].items() if k not in eng.hub.index.partial[dp]}
             assert {int(k): t for k, t in got["index"][dp].items()} == full  # partial blocks stay off the wire
             c = got["counts"][dp]
             assert c["batches"] == pub.last_seq(dp) + 1  # every batch decoded, none twice
             assert c["replays"] >= 1 and c["replayed"] >= 1  # the dropped first batch came back by replay
             assert c["stored"] and c["removed"] and c["cleared"]
-        assert eng.router.index.errors == 0
+        assert eng.hub.index.errors == 0
         assert sum(c["cpu_stored"] for c in got["counts"]) > 0  # offloads: removed from GPU, stored on CPU
         assert set(got["labels"]) == {salt_label(s) for s in SALTS}  # the salts' labels, never the salts
         tokens = {int(k): n for k, n in got["tokens"].items()}

@@ -6,8 +6,11 @@ from aggregator.assembler import Assembler
 from aggregator.delta import Iteration
 from aggregator.metrics import render_metrics
 from deployment.settings import Settings
-from engine.kv_stream import KVEventStream
-from engine.placement import TOP_SALTS, Router, group_load, salt_label
+from engine.kv_hub import KVEventHub
+from engine.kv_index import KVIndex
+from engine.kv_stream import KVEventStream, vllm_events
+from engine.placement import Placement, group_load
+from engine.routing_record import TOP_SALTS, RoutingRecord, salt_label
 from engine.scheduler import Group, Request
 from kvcache.events import CLEARED, MOVED, REMOVED, STORED, KVEvent, block_key, prompt_keys
 from workers.sampling_params import SamplingParams
@@ -16,14 +19,14 @@ B = 16
 PROMPT = list(range(1, 65))  # 4 full blocks
 
 
-def router(**kw) -> Router:
+def placement(**kw) -> Placement:
     s = Settings(model="random", dp=3, **kw)
     c = s.engine_config()
-    r = Router(c.routing, c.kv_events, s.tokens_per_block, 3)
-    r._events_on = True
-    r.index.resync = [False] * 3
-    r.free = [100, 100, 100]
-    return r
+    hub = KVEventHub(c.kv_events, c.routing.policy == "kv", s.tokens_per_block, 3)
+    hub.recording = True
+    hub.index.resync = [False] * 3
+    hub.free = [100, 100, 100]
+    return Placement(c.routing, hub)
 
 
 def busy(tokens: int) -> Group:
@@ -33,12 +36,12 @@ def busy(tokens: int) -> Group:
     return g
 
 
-def hold(r: Router, dp: int, keys: list[int], tier: int = 0) -> None:
-    r.index.apply(dp, [KVEvent(STORED, k, tier=tier) for k in keys])
+def hold(r: Placement, dp: int, keys: list[int], tier: int = 0) -> None:
+    r.hub.index.apply(dp, [KVEvent(STORED, k, tier=tier) for k in keys])
 
 
 def test_kv_picks_the_group_holding_the_prefix_until_its_load_outweighs_it():
-    r = router(routing_load_weight=1.0)
+    r = placement(routing_load_weight=1.0)
     keys = prompt_keys(PROMPT, B)
     hold(r, 1, keys[:3])
     groups = [busy(0), busy(0), busy(0)]
@@ -51,49 +54,49 @@ def test_kv_picks_the_group_holding_the_prefix_until_its_load_outweighs_it():
 
 
 def test_primary_is_worth_more_than_host_and_a_gap_ends_the_prefix():
-    r = router()
+    r = placement()
     keys = prompt_keys(PROMPT, B)
     hold(r, 0, keys[:3], tier=1)
     hold(r, 1, keys[:2], tier=0)
     hold(r, 2, [keys[0], keys[2], keys[3]])  # block 1 missing: only block 0 counts
-    assert r.index.prefix(2, keys) == (1, 0)
+    assert r.hub.index.prefix(2, keys) == (1, 0)
     groups = [busy(0)] * 3
     assert r.choose(keys, len(PROMPT), groups, [0, 1, 2])[0] == 1  # 2 primary (32) > 3 host (24)
-    r = router(routing_host_weight=1.0)
+    r = placement(routing_host_weight=1.0)
     hold(r, 0, keys[:3], tier=1)
     hold(r, 1, keys[:2], tier=0)
     assert r.choose(keys, len(PROMPT), groups, [0, 1, 2])[0] == 0
 
 
 def test_the_last_prompt_token_is_never_predicted_and_ties_go_to_the_lighter_group():
-    r = router()
+    r = placement()
     keys = prompt_keys(PROMPT, B)
     hold(r, 0, keys)
     assert r.choose(keys, len(PROMPT), [busy(0)] * 3, [0, 1, 2]) == (0, 3)  # the rank matches <= 63 tokens
-    r = router()
+    r = placement()
     assert r.choose(keys, len(PROMPT), [busy(30), busy(10), busy(20)], [0, 1, 2])[0] == 1
 
 
 def test_baselines():
-    r = router(routing="least_loaded")
+    r = placement(routing="least_loaded")
     assert r.choose(None, 10, [busy(5), busy(0), busy(0)], [0, 1, 2])[0] == 1
-    r = router(routing="round_robin")
+    r = placement(routing="round_robin")
     assert [r.choose(None, 10, [busy(0)] * 3, [0, 2])[0] for _ in range(3)] == [0, 2, 0]
     assert group_load(busy(7)) == 8  # 7 prompt tokens + 1 to generate
 
 
 def test_the_routing_record_sums_are_exact_per_salt_top_16_and_other():
-    r = router()
+    r = RoutingRecord("kv", 3, KVIndex(3, 1 << 30))
     total_p = total_r = 0
     for i in range(40):
         salt = None if i % 10 == 0 else f"tenant-{i % 20}"
         fleet = 2 * i if i % 2 else -1  # the odd ones the fleet's router placed, with its own prediction
         req = types.SimpleNamespace(cache_salt=salt, predicted=i, fleet_predicted=fleet)
-        r._count(req, i % 3, i + 1)
+        r.count(req, i % 3, i + 1)
         total_p += i
         total_r += i + 1
         assert req.predicted == req.fleet_predicted == -1  # counted once
-    rec = r.take_record()
+    rec = r.take()
     assert (rec["requests"], rec["predictedReusedBlocks"], rec["realizedReusedBlocks"]) == (40, total_p, total_r)
     odd = range(1, 40, 2)
     assert rec["fleet"] == {"requests": 20, "predictedReusedBlocks": sum(2 * i for i in odd),
@@ -105,7 +108,7 @@ def test_the_routing_record_sums_are_exact_per_salt_top_16_and_other():
         assert sum(s[k] for s in per.values()) == rec[k if k != "requests" else "requests"]
     assert per[salt_label(None)]["requests"] == 4  # the most frequent "salt" is no salt
     assert "tenant-1" not in str(rec)  # salts are named by a label, never shown
-    assert r.take_record()["requests"] == 0  # a fresh tally per record
+    assert r.take()["requests"] == 0  # a fresh tally per record
 
 
 def test_records_and_metrics_carry_the_routing_sums():
@@ -131,6 +134,11 @@ def stream(capacity=100) -> KVEventStream:
     return s
 
 
+def since(s: KVEventStream, after: str | None) -> list[tuple[str, dict]]:
+    """What /kv_events shows of the events after `after`: (id, vLLM-shaped event)."""
+    return vllm_events(s.since(after), s.block_size)
+
+
 def ids(s: KVEventStream, seqs) -> list[str]:
     return [f"{s.incarnation}-{n}" for n in seqs]
 
@@ -140,26 +148,26 @@ def test_the_stream_resumes_without_a_gap_in_vllm_shape():
     s.publish(0, [KVEvent(STORED, 1, None, tuple(range(16)), 0), KVEvent(STORED, 2, 1, tuple(range(16)), 0)])
     s.publish(1, [KVEvent(MOVED, 5, tier=1), KVEvent(REMOVED, 6, tier=1), KVEvent(CLEARED)])
     start = ids(s, [0])[0]
-    assert [i for i, _ in s.since(start)] == ids(s, range(1, 7))  # a move is removed from GPU + stored on CPU
-    assert [e["type"] for _, e in s.since(start)] == ["BlockStored", "BlockStored", "BlockRemoved", "BlockStored",
+    assert [i for i, _ in since(s, start)] == ids(s, range(1, 7))  # a move is removed from GPU + stored on CPU
+    assert [e["type"] for _, e in since(s, start)] == ["BlockStored", "BlockStored", "BlockRemoved", "BlockStored",
                                                       "BlockRemoved", "AllBlocksCleared"]
-    first = s.since(start)[1][1]
+    first = since(s, start)[1][1]
     assert first["block_hashes"] == [2] and first["parent_block_hash"] == 1 and first["block_size"] == B
     assert first["medium"] == "GPU" and first["dp_rank"] == 0 and len(first["token_ids"]) == 16
-    assert s.since(start)[2][1]["medium"] == "GPU" and s.since(start)[3][1]["medium"] == "CPU"
+    assert since(s, start)[2][1]["medium"] == "GPU" and since(s, start)[3][1]["medium"] == "CPU"
     for k in range(7):  # any resume point gives exactly what came after it
-        assert [i for i, _ in s.since(ids(s, [k])[0])] == ids(s, range(k + 1, 7))
+        assert [i for i, _ in since(s, ids(s, [k])[0])] == ids(s, range(k + 1, 7))
 
 
 def test_a_client_too_far_behind_gets_an_explicit_resync():
     s = stream(capacity=2)
     s.publish(0, [KVEvent(STORED, k) for k in range(1, 6)])
-    assert [i for i, _ in s.since(ids(s, [3])[0])] == ids(s, [4, 5])
-    got = s.since(ids(s, [1])[0])  # events 2 and 3 are gone
+    assert [i for i, _ in since(s, ids(s, [3])[0])] == ids(s, [4, 5])
+    got = since(s, ids(s, [1])[0])  # events 2 and 3 are gone
     assert [e["type"] for _, e in got] == ["AllBlocksCleared", "BlockStored", "BlockStored", "AllBlocksCleared"]
     assert got[0][1]["resync"] and {i for i, _ in got} == set(ids(s, [5]))
     assert got[1][1]["block_hashes"] == [7] and got[2][1]["medium"] == "CPU"
-    assert s.since(None)[0][1]["resync"]  # a new client starts from a snapshot too
+    assert since(s, None)[0][1]["resync"]  # a new client starts from a snapshot too
 
 
 def test_an_id_of_another_engines_stream_resyncs_however_far_its_seq_got():
@@ -167,25 +175,25 @@ def test_an_id_of_another_engines_stream_resyncs_however_far_its_seq_got():
     once the new stream's seq has passed the old one's."""
     old = stream()
     old.publish(0, [KVEvent(STORED, k) for k in range(100, 105)])
-    stale = old.since(ids(old, [0])[0])[-1][0]  # a client followed the old engine up to its 5th event
+    stale = since(old, ids(old, [0])[0])[-1][0]  # a client followed the old engine up to its 5th event
     new = stream()
     assert new.incarnation != old.incarnation
     new.publish(0, [KVEvent(STORED, k) for k in range(200, 210)])
-    got = new.since(stale)
+    got = since(new, stale)
     assert got[0][1]["type"] == "AllBlocksCleared" and got[0][1]["resync"]  # not events 6..10 of the new one
     assert {i for i, _ in got} == set(ids(new, [10]))
-    later = new.since(got[-1][0])  # resuming from the resync's id is exact from then on
+    later = since(new, got[-1][0])  # resuming from the resync's id is exact from then on
     new.publish(0, [KVEvent(STORED, 300)])
-    assert later == [] and [i for i, _ in new.since(got[-1][0])] == ids(new, [11])
+    assert later == [] and [i for i, _ in since(new, got[-1][0])] == ids(new, [11])
     for bad in ("5", "-1", "", f"{new.incarnation}-x", f"{new.incarnation}-99", f"{new.incarnation}--3"):
-        assert new.since(bad)[0][1]["resync"], bad  # malformed, or beyond the newest: a resync
+        assert since(new, bad)[0][1]["resync"], bad  # malformed, or beyond the newest: a resync
 
 
 def test_a_stream_nobody_listens_to_converts_nothing():
     s = KVEventStream(10, B, types.SimpleNamespace(blocks=[{}]))
     s.publish(0, [KVEvent(STORED, 1)])
     assert not s.buffer and s.exact_from == s.seq == 1  # a marked gap: a later client resyncs
-    assert s.since(ids(s, [0])[0])[0][1]["resync"]
+    assert since(s, ids(s, [0])[0])[0][1]["resync"]
 
 
 def test_a_salt_label_does_not_let_a_reader_hash_the_salts_prompts():
@@ -205,7 +213,7 @@ def test_a_waiting_request_claims_only_what_its_group_does_not_hold_when_it_is_a
 
     from engine.scheduler import plan_group
 
-    r = router()
+    r = placement()
     config = Settings(model="random", dp=3, max_num_batched_tokens=160).engine_config()
     keys = prompt_keys(PROMPT, B)
 
@@ -228,7 +236,7 @@ def test_a_waiting_request_claims_only_what_its_group_does_not_hold_when_it_is_a
 
 
 def test_a_prefix_on_its_way_into_a_group_draws_the_requests_that_share_it():
-    r = router()
+    r = placement()
     keys = prompt_keys(PROMPT, B)
     groups = [busy(0), busy(0), busy(0)]
     first = Request("first", PROMPT + [1], SamplingParams(max_tokens=1), None, 1, dp=2)

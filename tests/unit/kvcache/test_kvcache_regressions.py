@@ -81,12 +81,12 @@ def test_a_salt_whose_blocks_are_all_gone_leaves_no_root():
     salts = [f"tenant-{i}-" + "x" * 1000 for i in range(20)]
     for i, salt in enumerate(salts):
         run_prompt(mgr, f"r{i}", [1, 2, 3, 4, 5, 6], salt=salt)
-    assert {salt for _, salt in mgr._roots} == set(salts[-2:])  # only the salts with a block cached
+    assert {salt for _, salt in mgr.reuse.roots} == set(salts[-2:])  # only the salts with a block cached
     again = mgr.create_kv_cache("again", [1, 2, 3, 4, 5, 6, 7], cache_salt=salts[-1])
     assert again.num_reused_tokens == 6
     again.close()
     run_prompt(mgr, "filler", list(range(100, 116)))  # four blocks without a salt: every salted one goes
-    assert list(mgr._roots) == [(type(None), None)]
+    assert list(mgr.reuse.roots) == [(type(None), None)]
     mgr.set_kv_events(True)  # the snapshot walks the live roots only
     assert {e.salt for e in mgr.kv_events.drain() if e.kind == STORED} == {None}
 
@@ -103,7 +103,7 @@ def test_a_live_cache_keeps_its_salts_root():
     kv.close()
     assert mgr.create_kv_cache("c", [1, 2, 3, 4, 5, 6], cache_salt="t").num_reused_tokens == 5
     mgr.create_kv_cache("d", [1], cache_salt="once").close()
-    assert (str, "once") not in mgr._roots
+    assert (str, "once") not in mgr.reuse.roots
 
 
 def test_residency_records_nothing_with_statistics_off():

@@ -204,9 +204,9 @@ def test_a_sequence_continues_the_same_after_a_resend(monkeypatch):
     monkeypatch.setattr("workers.simulated.time.sleep", lambda s: None)
     prompt = list(range(40, 90))
 
-    def generate(worker, rid, tokens, n, drawn=0, others=()):
+    def generate(worker, rid, tokens, n, num_output_tokens=0, others=()):
         out = []
-        new = [NewRequest(rid, tokens, GREEDY, drawn=drawn)]
+        new = [NewRequest(rid, tokens, GREEDY, num_output_tokens=num_output_tokens)]
         new += [NewRequest(o, list(range(5, 30)), GREEDY) for o in others]
         res = worker.step(StepPlan(1, new, [Work(rid, len(tokens))] + [Work(o, 25) for o in others]))
         out.append(res.ran[rid][1])
@@ -222,5 +222,5 @@ def test_a_sequence_continues_the_same_after_a_resend(monkeypatch):
     assert first.kv.get_kv_cache_stats().max_num_blocks * 16 >= H100_LLAMA_8B.kv_tokens - 16
     whole = generate(first, "a", prompt, 12)
     assert generate(replica(), "b", prompt, 12, others=("x", "y")) == whole  # another replica, in a batch
-    assert generate(replica(), "c", prompt + whole[:5], 7, drawn=5) == whole[5:]  # re-sent after 5
+    assert generate(replica(), "c", prompt + whole[:5], 7, num_output_tokens=5) == whole[5:]  # re-sent after 5
 
