@@ -94,8 +94,9 @@ def router_figures(url: str, scrapes: int = 12) -> dict[str, dict[str, float]]:
     pat = re.compile(r'^(kvfleet_router_\w+)\{ingress="([^"]+)"(?:,quantile="([\d.]+)")?\} (\S+)$', re.M)
     for _ in range(scrapes):
         text = httpx.get(f"{url}/metrics", timeout=30).text
-        for _name, ingress, q, value in pat.findall(text):
-            key = f"decision_p{round(float(q) * 100)}" if q else "follow_calls"
+        for name, ingress, q, value in pat.findall(text):
+            kind = "decision_cpu" if "cpu" in name else "decision"
+            key = f"{kind}_p{round(float(q) * 100)}" if q else "follow_calls"
             out.setdefault(ingress, {})[key] = float(value)
     return out
 
@@ -268,6 +269,7 @@ async def run_size(size: str, args: argparse.Namespace) -> dict:
         "lag_p50": percentile(lags, 0.5), "lag_p99": percentile(lags, 0.99), "records": len(records),
         "decision_p50": max((v.get("decision_p50", 0) for v in after.values()), default=0),
         "decision_p99": max((v.get("decision_p99", 0) for v in after.values()), default=0),
+        "decision_cpu_p99": max((v.get("decision_cpu_p99", 0) for v in after.values()), default=0),
         "follow_per_s": follow / wall,
         "ingress_cpu_per_req_ms": cpu.get("ingress", 0) / max(1, len(results)) * 1e3,
         "ingress_cpu_per_record_ms": cpu.get("ingress", 0) / max(1, len(records)) * 1e3,

@@ -140,6 +140,7 @@ class FleetView:
         self.replicas: dict[str, ReplicaView] = {}  # by replica id (the follower's)
         self.on_change: Any = None  # the follower's wake-up, safe to call from the router's thread
         self.decision_s: deque[float] = deque(maxlen=DECISIONS_KEPT)  # how long each `place` took (the router's)
+        self.decision_cpu_s: deque[float] = deque(maxlen=DECISIONS_KEPT)  # and its thread's CPU time in it
         self.follow_calls = 0  # follow calls answered (the follower's)
 
     def set_live(self, ids: frozenset[str]) -> None:
@@ -182,12 +183,16 @@ def router_metrics(view: FleetView) -> str:
         ingress = serve.get_replica_context().replica_id.unique_id
     except RuntimeError:  # not in a Serve replica (tests)
         ingress = "local"
-    times = sorted(view.decision_s)
-    lines = ["# HELP kvfleet_router_decision_seconds how long the kv router took to place a request (its latest "
-             f"{DECISIONS_KEPT} decisions)", "# TYPE kvfleet_router_decision_seconds gauge"]
-    for q in (0.5, 0.9, 0.99):
-        value = times[min(len(times) - 1, int(q * len(times)))] if times else 0.0
-        lines.append(f'kvfleet_router_decision_seconds{{ingress="{ingress}",quantile="{q}"}} {value:.6g}')
+    lines = []
+    for name, values, what in (("decision_seconds", view.decision_s, "took to place a request"),
+                               ("decision_cpu_seconds", view.decision_cpu_s, "computed (its thread's CPU time) "
+                                "to place a request")):
+        times = sorted(values)
+        lines += [f"# HELP kvfleet_router_{name} how long the kv router {what} (its latest {DECISIONS_KEPT} "
+                  "decisions)", f"# TYPE kvfleet_router_{name} gauge"]
+        for q in (0.5, 0.9, 0.99):
+            value = times[min(len(times) - 1, int(q * len(times)))] if times else 0.0
+            lines.append(f'kvfleet_router_{name}{{ingress="{ingress}",quantile="{q}"}} {value:.6g}')
     lines += ["# HELP kvfleet_router_follow_calls_total follow calls the ingress's follower made to engine replicas",
               "# TYPE kvfleet_router_follow_calls_total counter",
               f'kvfleet_router_follow_calls_total{{ingress="{ingress}"}} {view.follow_calls}']

@@ -46,9 +46,10 @@ class KVFleetRouter(RequestRouter):
         routed = routed_of(pending_request)
         if routed is None:
             return [candidate_replicas]  # Serve takes the one with the shortest queue
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         ranks = place(self.view, self.weights, candidate_replicas, routed)
         self.view.decision_s.append(time.perf_counter() - t0)
+        self.view.decision_cpu_s.append(time.thread_time() - cpu0)  # its own CPU: the rest is waiting for the GIL
         return ranks
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
