@@ -5,8 +5,9 @@ tokenizer does (one token a printable character), so AIPerf's prompts have the l
     python bench/aiperf_prep.py --trace ../shared/traces/mooncake_conversation_trace.jsonl --limit 300 \\
         --scale 0.125 --speed 2 --out /tmp/aiperf-in
 
-writes `/tmp/aiperf-in/trace.jsonl` (lengths x scale, timestamps / speed) and `/tmp/aiperf-in/tokenizer/`, and
-prints the `aiperf profile` command (AIPerf in its own venv, never the project's).
+writes `/tmp/aiperf-in/trace.jsonl` (lengths x scale, timestamps / speed) and the tokenizer as a Hugging Face
+cache entry, `kvfleet/bytes` under `/tmp/aiperf-in/hf` (AIPerf loads a tokenizer by repo id; offline it reads the
+cache), and prints the `aiperf profile` command (AIPerf in its own venv, never the project's).
 """
 
 import argparse
@@ -16,7 +17,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import WordLevel
 
-from deployment.clients.trace import MOONCAKE_BLOCK
+from deployment.clients.trace import MOONCAKE_BLOCK, scaled_length
 
 PRINTABLE = [chr(c) for c in range(33, 127)] + [" "]
 
@@ -33,6 +34,18 @@ def write_tokenizer(path: Path) -> None:
                                                             "unk_token": "[UNK]", "model_max_length": 1 << 20}))
 
 
+TOKENIZER_REPO = "kvfleet/bytes"
+REVISION = "0" * 40
+
+
+def write_cached_tokenizer(hub_cache: Path) -> None:
+    """The tokenizer as the Hugging Face cache holds a repo's snapshot (what an offline load resolves)."""
+    repo = hub_cache / f"models--{TOKENIZER_REPO.replace('/', '--')}"
+    write_tokenizer(repo / "snapshots" / REVISION)
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text(REVISION)
+
+
 def write_trace(src: str, dst: Path, limit: int | None, scale: float, speed: float) -> int:
     n = 0
     with open(src) as f, open(dst, "w") as out:
@@ -40,7 +53,8 @@ def write_trace(src: str, dst: Path, limit: int | None, scale: float, speed: flo
             if limit is not None and n >= limit:
                 break
             d = json.loads(line)
-            d["input_length"] = max(1, round(d["input_length"] * scale))
+            d["input_length"] = scaled_length(d["input_length"], len(d["hash_ids"]), round(MOONCAKE_BLOCK * scale),
+                                              scale)
             d["output_length"] = max(1, round(d["output_length"] * scale))
             d["timestamp"] = round(d["timestamp"] / speed)
             out.write(json.dumps(d) + "\n")
@@ -59,11 +73,12 @@ if __name__ == "__main__":
     ap.add_argument("--model", default="simulated", help="the served model name")
     a = ap.parse_args()
     out = Path(a.out)
-    write_tokenizer(out / "tokenizer")
+    write_cached_tokenizer(out / "hf")
     n = write_trace(a.trace, out / "trace.jsonl", a.limit, a.scale, a.speed)
     print(f"{n} requests in {out / 'trace.jsonl'}; run:")
-    print(f"aiperf profile --model {a.model} --url {a.url} --endpoint-type completions --streaming "
+    print(f"HF_HUB_OFFLINE=1 HF_HUB_CACHE={out / 'hf'} "
+          f"aiperf profile --model {a.model} --url {a.url} --endpoint-type completions --streaming "
           f"--input-file {out / 'trace.jsonl'} --custom-dataset-type mooncake_trace --fixed-schedule "
-          f"--fixed-schedule-auto-offset --tokenizer {out / 'tokenizer'} "
+          f"--fixed-schedule-auto-offset --tokenizer {TOKENIZER_REPO} "
           f"--isl-block-size {round(MOONCAKE_BLOCK * a.scale)} --use-server-token-count "
           f"--extra-inputs ignore_eos:true --artifact-dir {out / 'artifacts'}")

@@ -3,13 +3,15 @@ GPU replicas (`model=simulated`) under each fleet router, and one engine of the 
 
     python bench/trace_bench.py [--trace ../shared/traces/mooncake_conversation_trace.jsonl] [--limit 600]
                                 [--replicas 8] [--scale 0.125] [--speed 24] [--speedup 0.03]
-                                [--setups kv prefix_affinity pow2 one] [--set key=value ...] [--out DIR]
+                                [--concurrency N] [--setups kv prefix_affinity pow2 one] [--set key=value ...]
+                                [--out DIR]
 
 Each setup is a fresh app of `--replicas` engine replicas of dp 1 (or, `one`, a single engine of dp
 `--replicas` placing with `routing=kv`), the default cost profile (an H100 serving Llama-3.1-8B) with its KV
 cache scaled by `--scale` like the trace's lengths (so a request takes the same share of a replica's cache as
 in the trace), no host tier. The first `--limit` requests of the trace, lengths times `--scale`
-(deployment/clients/trace.py), arrive at the trace's times / `--speed` (profile time); the simulated GPUs run at
+(deployment/clients/trace.py), arrive at the trace's times / `--speed` (profile time), or `--concurrency` at a
+time (closed loop: the throughput at saturation); the simulated GPUs run at
 `--speedup` of the profile's speed so the fleet's control plane fits on this machine, and every time is reported
 in the profile's seconds (wall x speedup). Prints per setup: TTFT p50/p90/p99, ITL p50, end-to-end p50, output
 tokens/s, the fleet hit rate over the run, predicted/realized reuse of the routed requests and the requests per
@@ -69,7 +71,8 @@ async def run_setup(name: str, extra: dict, args: argparse.Namespace, requests) 
     with StatsClient(url) as stats:
         before = stats.reuse_counts()
     t0 = time.perf_counter()
-    result = await replay(url, requests, speed=args.speed * args.speedup, progress=not args.quiet)
+    result = await replay(url, requests, speed=args.speed * args.speedup, concurrency=args.concurrency or None,
+                          progress=not args.quiet)
     with StatsClient(url) as stats:
         reused, missed = (a - b for a, b in zip(stats.reuse_counts(), before, strict=True))
         per_engine, reuse = stats.routing_summary()
@@ -100,9 +103,10 @@ async def main(args: argparse.Namespace) -> None:
             rows.append(await run_setup(name, {**extra, **common}, args, requests))
     serve.shutdown()
     ray.shutdown()
+    pace = f"{args.concurrency} in flight" if args.concurrency else f"arrivals at {args.speed}x the trace's pace"
     print(f"\n{len(requests)} requests of {Path(args.trace).name}, lengths x {args.scale} (a trace block "
-          f"{round(MOONCAKE_BLOCK * args.scale)} tokens), arrivals at {args.speed}x the trace's pace, {args.replicas} "
-          f"simulated H100s at {args.speedup}x; times in the profile's seconds")
+          f"{round(MOONCAKE_BLOCK * args.scale)} tokens), {pace}, {args.replicas} simulated H100s at "
+          f"{args.speedup}x; times in the profile's seconds")
     print(f"{'setup':<16}{'fail':>5}{'TTFT p50':>9}{'p90':>8}{'p99':>8}{'ITL p50':>9}{'E2E p50':>9}{'tok/s':>8}"
           f"{'hit':>7}{'pred/real':>13}  requests per engine")
     for r in rows:
@@ -127,6 +131,8 @@ if __name__ == "__main__":
     ap.add_argument("--scale", type=float, default=0.125, help="every length (and the KV cache) times this")
     ap.add_argument("--speed", type=float, default=24.0, help="arrivals at this many times the trace's pace")
     ap.add_argument("--speedup", type=float, default=0.03, help="the simulated GPUs' speed (of the profile's)")
+    ap.add_argument("--concurrency", type=int, default=0, help="closed loop at this many in flight instead of the "
+                    "trace's times: the fleet's throughput at saturation")
     ap.add_argument("--setups", nargs="*", default=["kv", "prefix_affinity", "pow2", "one"])
     ap.add_argument("--set", nargs="*", help="settings for every setup, key=value (e.g. routing_load_weight=0.1)")
     ap.add_argument("--out", help="a directory for each setup's results (JSON) and plot (HTML)")

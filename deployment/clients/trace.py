@@ -60,6 +60,13 @@ def block_text(hash_id: int, tokens: int) -> str:
     return "".join(" " if i % 8 == 7 else chr(rng.randrange(33, 127)) for i in range(tokens))
 
 
+def scaled_length(length: int, ids: int, block: int, scale: float) -> int:
+    """A prompt's length times `scale`, kept within its ids' blocks (the last one partial, never empty), as AIPerf
+    checks a trace line: rounding must not drop or add a block."""
+    tokens = max(1, round(length * scale))
+    return min(max(tokens, (ids - 1) * block + 1), ids * block) if ids else tokens
+
+
 def read_trace(path: str | Path, limit: int | None = None, scale: float = 1.0) -> list[TraceRequest]:
     """The first `limit` requests of a Mooncake-format trace, their lengths times `scale`."""
     if not 0 < scale <= 1:
@@ -78,7 +85,7 @@ def read_trace(path: str | Path, limit: int | None = None, scale: float = 1.0) -
                 at, output = float(d["timestamp"]) / 1000, int(d["output_length"])
             except (ValueError, KeyError, TypeError) as exc:
                 raise ValueError(f"{path}:{n}: not a Mooncake trace line ({exc})") from None
-            tokens = max(1, round(length * scale))
+            tokens = scaled_length(length, len(ids), block, scale)
             parts = [block_text(h, block) for h in ids]
             prompt = "".join(parts)[:tokens]
             out.append(TraceRequest(at, prompt, max(1, round(output * scale)), tuple(ids)))
