@@ -8,8 +8,8 @@ aggregators. A step waits (sleeps: it costs no CPU) for the time the cost profil
 (workers/cost_model.py), divided by `speedup_ratio` (Dynamo's mocker's word: below 1 the simulated GPUs run
 slower than real ones, so a fleet's control plane fits on fewer cores). Its tokens are a hash of the sequence's
 last token and position, as logits with one clear maximum: any sampler picks it, so a sequence's tokens are the
-same on every replica, in every batch and after a re-send; special tokens are never picked (requests run to
-their length, or to a stop string).
+same on every replica, in every batch and after a re-send; they are printable characters, never a special token
+(requests run to their length, or to a stop string).
 """
 
 from __future__ import annotations
@@ -39,9 +39,15 @@ class SimulatedModel:
         self.profile = profile
         self.config = cfg
         self.speedup_ratio = speedup_ratio
+        # printable ASCII, the byte tokenizer's ids 32-126: whole characters, never a special token
         special = {cfg.bos_token_id, *cfg.eos_token_ids}
-        self.choices = [t for t in range(cfg.vocab_size) if t not in special]
+        self.choices = [t for t in range(32, min(127, cfg.vocab_size)) if t not in special]
         self.busy_s = 0.0  # simulated GPU seconds so far
+
+    def kv_cache_place(self) -> dict:
+        """Where the rank's KV cache lives and its default size (`loader.kv_cache_config`'s arguments): the
+        profile's capacity on the `meta` device, real bookkeeping with no bytes."""
+        return {"device": "meta", "default_tokens": (self.profile.kv_tokens, self.profile.host_kv_tokens)}
 
     def __call__(self, seqs: list[SeqInput], kv_manager: object = None) -> list[torch.Tensor]:
         if not seqs:

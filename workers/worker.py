@@ -42,12 +42,8 @@ def build_kv_cache(spec: RankSpec, cfg: Any, device: str, dtype: torch.dtype, tp
     sizes its pool from its own free memory, and ranks of one group must hold equal block counts to make
     identical block decisions, so all take the smallest. A simulated model's cache is its profile's size on
     the `meta` device: real bookkeeping, no bytes."""
-    if isinstance(model, SimulatedModel):
-        p = model.profile
-        kv_cfg = kv_cache_config(cfg, spec.tp, spec.cache, device="meta", dtype=dtype,
-                                 default_tokens=(p.kv_tokens, p.host_kv_tokens))
-    else:
-        kv_cfg = kv_cache_config(cfg, spec.tp, spec.cache, device=device, dtype=dtype)
+    where = model.kv_cache_place() if isinstance(model, SimulatedModel) else {"device": device}
+    kv_cfg = kv_cache_config(cfg, spec.tp, spec.cache, dtype=dtype, **where)
     kv_cfg.gpu_cache_bytes = group_min(kv_cfg.gpu_cache_bytes, tp_group)
     return KVCacheManager(kv_cfg)
 

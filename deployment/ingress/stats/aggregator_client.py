@@ -1,12 +1,14 @@
 """The stats view's upstream: one engine's StatsAggregator actor, called from the ingress replica."""
 
+import time
 from typing import Any
 
 from aggregator.messages import AggregatorHealth, RankHealth
 
-# how long the aggregator gathers records once a long poll has one: an engine emits a record a step, so without it
-# each mirror makes an actor call a record (most of the ingress's CPU a record: bench/fleet_scale.py); with it,
-# a call a LINGER_S at most, and a record reaches the ingress at most this much later
+# how long the aggregator gathers records once a long poll has one, while they come fast (the last reply was less
+# than this ago): an engine emits a record a step, so without it each mirror makes an actor call a record at a GPU's
+# step rate (most of the ingress's CPU a record: bench/fleet_scale.py); with it, a call a LINGER_S at most. The
+# first record after a quiet spell is not held: an idle engine's next record reaches readers at once
 LINGER_S = 0.1
 
 
@@ -19,6 +21,7 @@ class AggregatorClient:
         if handle is None and engine_id is None:
             raise ValueError("AggregatorClient needs the aggregator's handle or its engine's id")
         self._h, self._engine_id = handle, engine_id
+        self._last_records = float("-inf")  # when a long poll last brought records
 
     def _handle(self) -> Any:
         if self._h is None:
@@ -41,7 +44,11 @@ class AggregatorClient:
         return await self._call("query", since=since, limit=limit, ranks=ranks)
 
     async def wait_records(self, since: int, timeout_s: float) -> list[dict]:
-        return await self._call("wait_records", since, timeout_s=timeout_s, linger_s=LINGER_S)
+        fast = time.monotonic() - self._last_records < LINGER_S
+        got = await self._call("wait_records", since, timeout_s=timeout_s, linger_s=LINGER_S if fast else 0.0)
+        if got:
+            self._last_records = time.monotonic()
+        return got
 
     async def ranks(self) -> dict[str, RankHealth]:
         return await self._call("ranks")

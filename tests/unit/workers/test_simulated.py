@@ -119,8 +119,9 @@ def test_tokens_depend_on_the_sequence_only_and_are_never_special(monkeypatch):
     assert alone == batched == next_token(67, 8, m.choices)
     rows = m([seq(range(3, 40), all_logits=True)])[0]
     assert rows.shape == (37, m.config.vocab_size)
-    special = {m.config.bos_token_id, *m.config.eos_token_ids}
-    assert not special & set(rows.argmax(-1).tolist())
+    picked = set(rows.argmax(-1).tolist())
+    assert not {m.config.bos_token_id, *m.config.eos_token_ids} & picked
+    assert all(32 <= t < 127 for t in picked)  # printable characters of the byte tokenizer
     with pytest.raises(ValueError, match="outside the vocabulary"):
         m([seq([m.config.vocab_size])])
 
