@@ -39,7 +39,7 @@ import psutil  # noqa: E402
 import ray  # noqa: E402
 
 from deployment import build_app  # noqa: E402
-from deployment.clients.trace import percentile  # noqa: E402
+from deployment.clients.trace import TraceRequest, percentile, timed_completion  # noqa: E402
 
 PORT = 8391
 SYSTEMS, SYSTEM_TOKENS, QUESTION_TOKENS, OUTPUT_TOKENS = 64, 512, 512, 128
@@ -120,20 +120,10 @@ async def stream_lag(url: str, since: dict[str, int], stop: asyncio.Event, lags:
 
 async def one(http: httpx.AsyncClient, prompt: str, max_tokens: int = OUTPUT_TOKENS) -> tuple[float, float, int]:
     """(TTFT, mean ITL, output tokens) of one streamed completion, in wall seconds."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
-    t0, first, last, n = time.perf_counter(), None, None, 0
-    async with http.stream("POST", "/v1/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    n = chunk["usage"]["completion_tokens"]
-                if chunk.get("choices"):
-                    last = time.perf_counter()
-                    first = first or last
-    return first - t0, (last - first) / max(1, n - 1), n
+    r = await timed_completion(http, TraceRequest(0.0, prompt, max_tokens, ()))
+    if r.error:
+        raise httpx.HTTPError(r.error)
+    return r.ttft_s, r.itl_s, r.output_tokens
 
 
 async def closed(url: str, concurrency: int, seconds: float, seed: int) -> tuple[list, float, int]:

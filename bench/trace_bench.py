@@ -42,10 +42,12 @@ from deployment.clients.trace import (  # noqa: E402
 )
 from kvcache.stats import hit_rate  # noqa: E402
 from workers.cost_model import H100_LLAMA_8B  # noqa: E402
+from workers.model_setting import simulated_config  # noqa: E402
 
 PORT = 8392
 TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
-TOKEN_BYTES = 2 * 32 * 8 * 128 * 4  # the default profile's K+V a token, as a simulated rank holds it (fp32 on CPU)
+# the default profile's K and V a token, as a simulated rank sizes its cache (fp32 on CPU)
+TOKEN_BYTES = simulated_config(H100_LLAMA_8B).kv_bytes_per_token(1, 4)
 BLOCK = 16
 
 

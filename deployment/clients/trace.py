@@ -95,7 +95,9 @@ def read_trace(path: str | Path, limit: int | None = None, scale: float = 1.0) -
     return out
 
 
-async def _one(http: httpx.AsyncClient, req: TraceRequest, model: str | None, t0: float) -> Result:
+async def timed_completion(http: httpx.AsyncClient, req: TraceRequest, model: str | None = None,
+                           t0: float = 0.0) -> Result:
+    """One streamed completion of `req` and what it saw (sent at `at_s` from `t0`); an error is in the result."""
     body = {"prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     if model:
@@ -146,7 +148,7 @@ async def replay(url: str, requests: list[TraceRequest], *, speed: float | None 
         t0 = time.perf_counter()
 
         async def run(i: int, req: TraceRequest) -> None:
-            out.results[i] = await _one(http, req, model, t0)
+            out.results[i] = await timed_completion(http, req, model, t0)
             bar.update(1)
 
         if concurrency:
