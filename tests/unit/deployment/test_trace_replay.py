@@ -17,6 +17,7 @@ from deployment.clients.trace import (
     percentile,
     read_trace,
     replay,
+    scaled_length,
     summary,
 )
 
@@ -117,3 +118,14 @@ def test_a_replay_reports_each_request(mode):
     assert summary(out)["failed"] == 1
     with pytest.raises(ValueError, match="speed"):
         asyncio.run(replay("http://fake", reqs, speed=0, progress=False))
+
+
+def test_a_scaled_length_keeps_every_block_of_its_ids(tmp_path):
+    # 10,750 tokens over 22 ids of 512: at 1/8 the length rounds to 1,344, exactly 21 blocks of 64, which would
+    # drop the last id (AIPerf rejects such a line); it is kept at 21 blocks and one token
+    assert scaled_length(10_750, 22, 64, 0.125) == 1345
+    assert scaled_length(100, 1, 64, 1.0) == 64  # never past its ids' blocks
+    assert scaled_length(1100, 3, 64, 0.125) == 138  # a length within them is as rounded
+    row = {"timestamp": 0, "input_length": 10_750, "output_length": 8, "hash_ids": list(range(22))}
+    (req,) = read_trace(write(tmp_path, [row]), scale=0.125)
+    assert len(req.prompt) == 1345 and req.prompt.endswith(block_text(21, 64)[:1])
