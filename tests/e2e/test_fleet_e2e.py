@@ -109,19 +109,27 @@ def test_kv_routing_sends_a_shared_prefix_to_the_replica_holding_it(app):
                                                           "temperature": 0}, timeout=120)
             assert r.status_code == 200, r.text
 
+        def settled(n: int) -> dict[str, list[int]]:
+            """The sums once the records of all `n` requests asked so far have reached the mirrors: a record
+            that comes late would otherwise count in the wrong window."""
+            routed = _fleet_routed(c)
+            while sum(v[0] for v in routed.values()) < n:
+                assert time.monotonic() < deadline, "the requests' records never came"
+                time.sleep(0.2)  # poll interval: records reach the mirror after the request's first commit
+                routed = _fleet_routed(c)
+            return routed
+
+        start = sum(v[0] for v in _fleet_routed(c).values())
         ask(0)
-        before, i = _fleet_routed(c), 1
-        while not any(after[1] > before[e][1] for e, after in _fleet_routed(c).items()):  # a predicted hit
+        before, i = settled(start + 1), 1
+        while not any(after[1] > before[e][1] for e, after in settled(start + i).items()):  # a predicted hit
             assert time.monotonic() < deadline, "the router never predicted a hit"
             ask(i)
             i += 1
-        before = _fleet_routed(c)
+        before = settled(start + i)
         for j in range(i, i + 4):
             ask(j)
-        while sum(v[0] for v in _fleet_routed(c).values()) < sum(v[0] for v in before.values()) + 4:
-            assert time.monotonic() < deadline, "the requests' records never came"
-            time.sleep(0.2)  # poll interval: records reach the mirror after the request's first commit
-        after = _fleet_routed(c)
+        after = settled(start + i + 4)
     gained = {e: [a - b for a, b in zip(after[e], before[e], strict=True)] for e in ENGINES}
     holder = max(gained, key=lambda e: gained[e][0])
     assert gained[holder][0] == 4 and all(gained[e][0] == 0 for e in ENGINES if e != holder), gained
