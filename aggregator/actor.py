@@ -81,26 +81,51 @@ class Checkpoint(Protocol):
     def save(self, part: str, value: Any) -> None: ...
 
 
-class GCSCheckpoint:
-    """The `Checkpoint` of a Ray actor: Ray's GCS key-value store (keyed by the actor id, so only a restart of
-    this very actor reads it; a new actor of the same name starts clean). The only user of Ray's private
-    `internal_kv` in kvfleet (Ray has no public key-value store)."""
+class KVStore:
+    """Ray's GCS key-value store in kvfleet's namespace: the only user of Ray's private `internal_kv` in
+    kvfleet (Ray has no public key-value store). Off (None, nothing saved) where Ray's worker is not connected."""
 
-    def __init__(self, engine_id: str) -> None:
+    def __init__(self) -> None:
         from ray.experimental import internal_kv
 
         self._kv = internal_kv if internal_kv._internal_kv_initialized() else None
-        self.actor_id = ray.get_runtime_context().get_actor_id() if self._kv else None
-        self.key = f"stats-checkpoint/{engine_id}/{self.actor_id}" if self.actor_id else None
+
+    def get(self, key: str) -> bytes | None:
+        return self._kv._internal_kv_get(key, namespace=_KV_NAMESPACE) if self._kv else None
+
+    def put(self, key: str, value: bytes) -> None:
+        if self._kv:
+            self._kv._internal_kv_put(key, value, True, namespace=_KV_NAMESPACE)
+
+    def delete_prefix(self, prefix: str) -> None:
+        if self._kv:
+            self._kv._internal_kv_del(prefix, del_by_prefix=True, namespace=_KV_NAMESPACE)
+
+
+def kv_store() -> KVStore:
+    return KVStore()
+
+
+class GCSCheckpoint:
+    """The `Checkpoint` of a Ray actor: Ray's GCS key-value store (keyed by the actor id, so only a restart of
+    this very actor reads it; a new actor of the same name starts clean)."""
+
+    def __init__(self, engine_id: str) -> None:
+        self._kv = kv_store()
+        self.actor_id = ray.get_runtime_context().get_actor_id() if self._kv._kv else None
+        self.key = f"{checkpoint_prefix(engine_id)}{self.actor_id}" if self.actor_id else None
 
     def load(self, part: str) -> Any:
-        raw = self._kv._internal_kv_get(f"{self.key}/{part}", namespace=_KV_NAMESPACE) if self.key else None
+        raw = self._kv.get(f"{self.key}/{part}") if self.key else None
         return pickle.loads(raw) if raw else None
 
     def save(self, part: str, value: Any) -> None:
         if self.key:
-            self._kv._internal_kv_put(f"{self.key}/{part}", pickle.dumps(value, protocol=5), True,
-                                      namespace=_KV_NAMESPACE)
+            self._kv.put(f"{self.key}/{part}", pickle.dumps(value, protocol=5))
+
+
+def checkpoint_prefix(engine_id: str) -> str:
+    return f"stats-checkpoint/{engine_id}/"
 
 
 class StatsAggregatorImpl:
@@ -344,3 +369,16 @@ def get_or_create_aggregator(engine_id: str, world_size: int, tp: int, buffer_si
             "enable_task_events": TASK_EVENTS,
             **({"resources": {resource: SLIVER}} if resource else {}), **options}
     return StatsAggregator.options(**opts).remote(engine_id, world_size, tp, buffer_size)
+
+
+def remove_aggregator(engine_id: str) -> bool:
+    """Kill a gone engine's aggregator for good and drop its checkpoints (engine/registry.py, after a
+    scale-down). Whether there was one."""
+    try:
+        actor = ray.get_actor(aggregator_name(engine_id), namespace=NAMESPACE)
+    except ValueError:
+        actor = None
+    if actor is not None:
+        ray.kill(actor, no_restart=True)
+    kv_store().delete_prefix(checkpoint_prefix(engine_id))
+    return actor is not None

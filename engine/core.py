@@ -16,6 +16,7 @@ set up and warmed up; after `max_group_restarts` failures in a row it stays down
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import itertools
@@ -30,6 +31,7 @@ from engine.config import EngineConfig
 from engine.errors import (
     RETRY_AFTER_DOWN_S,
     EngineError,
+    EngineStopping,
     Overloaded,
     RequestError,
     check_request,
@@ -37,7 +39,7 @@ from engine.errors import (
 )
 from engine.kv_hub import KVEventHub
 from engine.lifecycle import EngineLifecycle
-from engine.messages import ADMITTED, Admitted, EngineHealth, GroupState, KVStreamEvent
+from engine.messages import ADMITTED, Admitted, EngineHealth, GroupState, KVStreamEvent, LoadReport
 from engine.placement import Placement, group_load, waiting_blocks
 from engine.recovery import GroupRecovery, Orphans
 from engine.request_times import RequestRecorder
@@ -55,6 +57,7 @@ log = logging.getLogger("kvfleet.engine")
 # A step in which no request ran (every scheduled one found no room) is retried after this pause, doubling up
 # to the maximum, or as soon as something changes (a request arrives, finishes or is aborted): never a busy loop.
 NO_PROGRESS_PAUSE_S = (0.001, 0.25)
+PREFILL_WINDOW = 64  # the recent steps with prompt work whose rate the load report gives (`prefill_tokens_per_s`)
 
 
 class Engine(EngineLifecycle, GroupRecovery):
@@ -97,6 +100,7 @@ class Engine(EngineLifecycle, GroupRecovery):
         self._ids = itertools.count()
         self._completed = 0  # requests finished in the iteration being applied
         self.recorder = RequestRecorder(c.served_model_name, c.cache.max_seq_len, c.dp)
+        self._prefill = collections.deque(maxlen=PREFILL_WINDOW)  # (prompt tokens, seconds) of recent steps
 
     # ---- requests ----------------------------------------------------------------------------------------------
     @property
@@ -146,7 +150,7 @@ class Engine(EngineLifecycle, GroupRecovery):
         if self.error:
             raise EngineError(self.error, RETRY_AFTER_DOWN_S)
         if self._closing:
-            raise EngineError("the engine is shutting down")
+            raise EngineStopping(f"engine {self.config.engine_id} is shutting down")
         self.validate(prompt_token_ids, params)
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._requests:
@@ -208,6 +212,27 @@ class Engine(EngineLifecycle, GroupRecovery):
         B = self.config.cache.tokens_per_block
         return [GroupState(g.down is None and not g.stays_down, group_load(g),
                            self.hub.free[dp] - waiting_blocks(g, B)) for dp, g in enumerate(self._groups)]
+
+    def load_report(self) -> LoadReport:
+        """The engine's load for Serve's autoscaling policy (deployment/autoscale.py): its queues and KV room,
+        exact; the prompt tokens no group holds are those its placement did not find cached."""
+        uncached = sum(len(r.prompt) for r in self._orphans.reqs)
+        running = waiting = short = 0
+        usage, up = 0.0, 0
+        B = self.config.cache.tokens_per_block
+        for dp, g in enumerate(self._groups):
+            for r in itertools.chain(g.waiting, g.running):
+                uncached += max(0, len(r.prompt) - max(r.num_computed_tokens, r.hit_tokens))
+            running += len(g.running)
+            waiting += len(g.waiting)
+            if g.down is None and not g.stays_down:
+                up += 1
+                usage += 1 - self.hub.free[dp] / max(1, self.hub.total[dp])
+                short += self.hub.free[dp] < waiting_blocks(g, B)
+        tokens = sum(n for n, _ in self._prefill)
+        seconds = sum(s for _, s in self._prefill)
+        return LoadReport(uncached, running, waiting + len(self._orphans), up * self.config.max_num_seqs,
+                          usage / up if up else 0.0, short, tokens / seconds if seconds else 0.0)
 
     async def health(self) -> EngineHealth:
         """The engine's state; raises EngineError (an HTTP 503) while no dp group serves."""
@@ -274,8 +299,13 @@ class Engine(EngineLifecycle, GroupRecovery):
                 continue
             self.hub.plan(plans)
             self._changed.clear()
+            prompt_tokens = sum(w.num_scheduled_tokens for p in plans if p is not None for w in p.work
+                                if w.new_token_id is None)
+            began = time.monotonic()
             results, deltas, missing = await step_all(self.transport, len(self.workers), plans,
                                                             self.config.tp)
+            if prompt_tokens:
+                self._prefill.append((prompt_tokens, time.monotonic() - began))
             self._completed = 0
             progress = False
             for dp, res in enumerate(results):

@@ -25,6 +25,12 @@ class EngineError(RuntimeError):
         return type(self), (str(self), self.retry_after_s)
 
 
+class EngineStopping(EngineError):
+    """The engine replica is stopping (Serve scales it down, or the app is redeployed or deleted) with this
+    request admitted: the ingress sends it again, as prompt + tokens so far, to a replica that stays
+    (deployment/ingress/resend.py), as it does when a replica dies."""
+
+
 # Retry-After of a request refused because no dp group is up (a group restarts in seconds on CPU)
 RETRY_AFTER_DOWN_S = 5.0
 

@@ -27,13 +27,14 @@ class KVEventHub:
         self.stream = KVEventStream(events.buffer, self.B, self.index, buffer_always=events.always)
         self.publisher = KVEventPublisher(events, self.B, num_groups, self.index, salt_label)  # ZMQ, vLLM's format
         self.free = [0] * num_groups  # each group's free primary blocks, from its last step
+        self.total = [0] * num_groups  # each group's primary blocks
         self.recording = False  # whether the ranks were told to record events at the last step
 
     def group_started(self, dp: int, info: dict[str, Any]) -> None:
         """Group `dp`'s tp rank 0 is set up (a start or a restart): its cache is empty, all its primary blocks
         free (a room the `kv` score weighs before its first step reports one), and its slots on every tier are
         the most blocks the index may hold for it."""
-        self.free[dp] = info["max_num_blocks"]
+        self.free[dp] = self.total[dp] = info["max_num_blocks"]
         self.index.max_blocks[dp] = info["kv_slots"]
 
     @property

@@ -13,7 +13,7 @@ import contextlib
 import logging
 
 from engine import ranks
-from engine.errors import EngineError
+from engine.errors import EngineError, EngineStopping
 from engine.stats_channel import StatsChannel
 from engine.transport import make_transport
 
@@ -122,7 +122,7 @@ class EngineLifecycle:
         if self._loop_task is not None:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
-        self._fail_all(EngineError("the engine is shutting down"))
+        self._fail_all(EngineStopping(f"engine {self.config.engine_id} is shutting down"))
         if self.stats is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.stats.drained(), 5.0)

@@ -136,3 +136,18 @@ class FollowReport:
     events: list[KVStreamEvent] = field(default_factory=list)
     groups: list[GroupState] = field(default_factory=list)
     tickets: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """An engine replica's load as Serve's autoscaling policy reads it (deployment/autoscale.py): what
+    `KVFleetEngine.record_autoscaling_stats` reports, field for field, as Serve's custom metrics; Serve averages
+    each one per replica over its look-back window. Exact, from the engine's own queues and KV index."""
+
+    uncached_prompt_tokens: float  # prompt tokens waiting or still prefilling that no dp group of it holds
+    running: float  # requests running
+    waiting: float  # requests waiting for a place (in a group's queue, or for a group to come up)
+    slots: float  # requests it can run at once: max_num_seqs per dp group up
+    kv_usage: float  # share of its groups' primary KV blocks in use, 0..1 (as their ranks last reported)
+    short_groups: float  # dp groups whose free blocks are fewer than their waiting requests need: they evict
+    prefill_tokens_per_s: float  # prompt tokens computed per second of stepping over its recent steps (0: none)

@@ -7,10 +7,12 @@ laptop, where `serve run deployment:app` gives Ray exactly 2 CPUs.
 """
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+import ray
 from ray import serve
 
 from engine.errors import EngineError
@@ -45,7 +47,15 @@ class KVFleetEngine:
 
         self._settings = settings
         self._tickets: dict[str, int] = {}  # the fleet router's newest ticket admitted, per router (follow)
+        self._registry = self._holder = None
         rank = serve.get_replica_context().rank.rank  # Serve's replica rank: the engine this replica is
+        if settings.autoscaling:  # ranks no longer name engines: the fleet's registry leases an id
+            from engine.registry import get_registry
+
+            self._registry = get_registry(settings.engine_id, settings.gone_engine_retention_s,
+                                          settings.engine_resource)
+            self._holder = ray.get_runtime_context().get_actor_name()
+            rank = int((await self._registry.claim.remote(rank, self._holder)).rpartition("-")[2])
         self._engine = Engine(settings.engine_config(rank))
         try:
             await self._engine.start()
@@ -103,6 +113,11 @@ class KVFleetEngine:
         """Serve's routing stats of this replica: its engine id (what a router, or an operator, can read)."""
         return {"engine": self._engine.config.engine_id}
 
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics of this replica: its engine's exact load (engine/messages.py
+        `LoadReport`), which the engine deployment's policy reads (deployment/autoscale.py)."""
+        return dataclasses.asdict(self._engine.load_report())
+
     async def check_health(self) -> None:
         """Serve's replica health check: a replica whose engine cannot serve at all is replaced."""
         if self._engine.error:
@@ -113,3 +128,5 @@ class KVFleetEngine:
         if engine is not None:
             logger.info("engine %s shutting down", engine.config.engine_id)
             await engine.shutdown()
+            if self._registry is not None:  # a scale-down (or the app's end): the id is gone, its aggregator goes
+                await self._registry.release.remote(engine.config.engine_id, self._holder)
