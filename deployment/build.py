@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import ValidationError
 from ray.serve import Application
-from ray.serve.config import RequestRouterConfig
+from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
 
 from deployment.ingress.serve import KVFleetIngress
 from deployment.settings import Settings
@@ -65,18 +65,59 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     settings = parse_settings(args)
     check_model_setting(settings)
     router = request_router(settings)
-    engine = KVFleetEngine.options(num_replicas=settings.engine_replicas,
-                                   ray_actor_options=actor_options(settings.engine_resource),
+    scaling = autoscaling_config(settings)
+    replicas = {"autoscaling_config": scaling} if scaling else {"num_replicas": settings.engine_replicas}
+    engine = KVFleetEngine.options(**replicas,
+                                   ray_actor_options=actor_options(settings.engine_resource, push_env(settings)),
                                    **({"request_router_config": router} if router else {})).bind(settings)
     return KVFleetIngress.options(num_replicas=settings.ingress_replicas,
-                                  ray_actor_options=actor_options(settings.ingress_resource)).bind(settings, engine)
+                                  ray_actor_options=actor_options(settings.ingress_resource, push_env(settings))
+                                  ).bind(settings, engine)
 
 
-def actor_options(resource: str) -> dict[str, Any]:
+# the autoscaling policies `autoscaling_policy` names (deployment/autoscale.py); `serve` is Serve's default
+POLICIES = {"kv": "deployment.autoscale:KVAutoscalingPolicy",
+            "threshold": "deployment.autoscale:ThresholdAutoscalingPolicy"}
+
+
+def autoscaling_config(settings: Settings) -> AutoscalingConfig | None:
+    """Serve's autoscaling of the engine replicas (None: `engine_replicas` fixed). A Serve config may still
+    override it whole (its `deployments:` entry for KVFleetEngine), as any deployment option."""
+    if not settings.autoscaling:
+        return None
+    policy = {}
+    if settings.autoscaling_policy == "kv":
+        policy = {"policy": AutoscalingPolicy(policy_function=POLICIES["kv"], policy_kwargs={
+            "ttft_target_s": settings.autoscale_ttft_target_s})}
+    elif settings.autoscaling_policy == "threshold":
+        policy = {"policy": AutoscalingPolicy(policy_function=POLICIES["threshold"])}
+    return AutoscalingConfig(min_replicas=settings.engine_replicas_min, max_replicas=settings.engine_replicas_max,
+                             initial_replicas=settings.engine_replicas,
+                             target_ongoing_requests=settings.autoscale_target_ongoing_requests,
+                             upscale_delay_s=settings.autoscale_upscale_delay_s,
+                             downscale_delay_s=settings.autoscale_downscale_delay_s,
+                             look_back_period_s=settings.autoscale_look_back_s,
+                             # Serve checks the look-back against it (deprecated for the push env below)
+                             metrics_interval_s=settings.autoscale_metrics_interval_s, **policy)
+
+
+def push_env(settings: Settings) -> dict[str, str]:
+    """With autoscaling, how often the replicas (their load) and the ingress's handles (Serve's ongoing
+    requests) report to Serve's controller: Serve reads these in each replica's process, 10 s by default, which
+    would leave the policy a look-back window behind."""
+    if not settings.autoscaling:
+        return {}
+    every = str(settings.autoscale_metrics_interval_s)
+    return {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": every,
+            "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": every}
+
+
+def actor_options(resource: str, env: dict[str, str] | None = None) -> dict[str, Any]:
     """A replica's actor options: no CPU, and a sliver of `resource` when one is set, so Serve places (and
     replaces) it only on the nodes that advertise it (on KubeRay a worker group's, never the head's:
     k8s/README.md, "Across several nodes"). Serve's own placement knobs do not fit: `placement_group_strategy`
     is per replica, and node affinity would name a node id that a new node no longer has."""
     from aggregator.actor import SLIVER
 
-    return {"num_cpus": NUM_CPUS, **({"resources": {resource: SLIVER}} if resource else {})}
+    return {"num_cpus": NUM_CPUS, **({"resources": {resource: SLIVER}} if resource else {}),
+            **({"runtime_env": {"env_vars": env}} if env else {})}

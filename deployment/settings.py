@@ -39,6 +39,32 @@ class Settings(BaseSettings):
                            "several engine replicas, replica n is engine `<engine_id>-<n>`")
     engine_replicas: int = Field(1, ge=1, description="engine replicas (KVFleetEngine), each with its own dp "
                                  "groups, ranks and aggregator; Serve's request router picks one per request")
+    engine_replicas_max: int = Field(
+        0, ge=0, description="0: `engine_replicas` is fixed. Else Serve autoscales the engine replicas between "
+        "`engine_replicas_min` and this, from `engine_replicas` at deploy, by `autoscaling_policy` "
+        "(docs/architecture.md, \"Autoscaling\")")
+    engine_replicas_min: int = Field(1, ge=1, description="the fewest engine replicas when autoscaling")
+    autoscaling_policy: Literal["kv", "threshold", "serve"] = Field(
+        "kv", description="when autoscaling: `kv` (the uncached prompt tokens waiting, running and waiting "
+        "requests, KV room, from each engine's exact state), `threshold` (llm-d's KV usage / queue spare "
+        "triggers) or `serve` (Serve's default, `target_ongoing_requests`)")
+    autoscale_ttft_target_s: float = Field(
+        2.0, gt=0, description="`kv` policy: the time to first token a replica's uncached prompt work must fit in")
+    autoscale_target_ongoing_requests: float = Field(
+        8.0, gt=0, description="`serve` policy: Serve's `target_ongoing_requests` per replica")
+    autoscale_upscale_delay_s: float = Field(5.0, ge=0, description="how long a scale-up must be wanted before "
+                                             "it happens (Serve's `upscale_delay_s`)")
+    autoscale_downscale_delay_s: float = Field(
+        60.0, ge=0, description="how long a scale-down must be wanted before it happens (Serve's "
+        "`downscale_delay_s`): a stopped replica's KV cache is thrown away")
+    autoscale_look_back_s: float = Field(5.0, gt=0, description="the window Serve averages each replica's load "
+                                         "over (Serve's `look_back_period_s`)")
+    autoscale_metrics_interval_s: float = Field(
+        1.0, gt=0, description="how often each replica pushes its load to Serve's controller (Serve's "
+        "`RAY_SERVE_*_AUTOSCALING_METRIC_PUSH_INTERVAL_S`, 10 s by default)")
+    gone_engine_retention_s: float = Field(
+        600.0, ge=0, description="how long an ingress keeps serving the records of an engine that autoscaling "
+        "stopped (marked gone) before it forgets them")
     fleet_routing: Literal["kv", "pow2", "prefix_affinity"] = Field(
         "kv", description="how the ingress picks an engine replica: `kv` (exact, from every replica's KV "
         "events, and the dp group too), `pow2` (Serve's power of two choices) or `prefix_affinity` (Ray Serve "
@@ -182,7 +208,7 @@ class Settings(BaseSettings):
         from engine.kv_publisher import endpoint_problem, offset_endpoint
 
         groups = {}
-        ranks = self.dp * self.engine_replicas  # every replica's groups: replicas may share a node
+        ranks = self.dp * self.most_engines  # every replica's groups: replicas may share a node
         for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
             endpoint = getattr(self, name)
             if not endpoint and name == "kv_events_replay_endpoint":
@@ -199,20 +225,39 @@ class Settings(BaseSettings):
         return self
 
 
+    @model_validator(mode="after")
+    def _autoscaling_bounds(self) -> "Settings":
+        if self.autoscaling and not self.engine_replicas_min <= self.engine_replicas <= self.engine_replicas_max:
+            raise ValueError(f"autoscaling needs engine_replicas_min <= engine_replicas <= engine_replicas_max, got "
+                             f"{self.engine_replicas_min} <= {self.engine_replicas} <= {self.engine_replicas_max}")
+        return self
+
+    @property
+    def autoscaling(self) -> bool:
+        """Serve scales the engine replicas (`engine_replicas_max` set): their engine ids are leased from the
+        fleet's registry (engine/registry.py) instead of being Serve's replica ranks."""
+        return self.engine_replicas_max > 0
+
+    @property
+    def most_engines(self) -> int:
+        return self.engine_replicas_max if self.autoscaling else self.engine_replicas
+
     @property
     def fleet_policy(self) -> str:
         """The router in effect across engine replicas: `fleet_routing`, or Serve's default with one replica
-        (which then keeps today's behaviour: no router of ours, no KV stream followed)."""
-        return self.fleet_routing if self.engine_replicas > 1 else "pow2"
+        for good (which then keeps today's behaviour: no router of ours, no KV stream followed)."""
+        return self.fleet_routing if self.most_engines > 1 else "pow2"
 
     def engine_ids(self) -> list[str]:
-        """The fleet's engines, one per Serve replica rank (see `engine_id_of`)."""
+        """The fleet's engines, one per Serve replica rank (see `engine_id_of`); with autoscaling, those of the
+        replicas at deploy (the registry knows the rest)."""
         return [self.engine_id_of(n) for n in range(self.engine_replicas)]
 
     def engine_id_of(self, replica_rank: int) -> str:
-        """`engine_id` itself with one replica, else `<engine_id>-<rank>`: a replica Serve replaces takes the
-        dead one's rank, so it is the same engine again (its detached aggregator, its statistics)."""
-        return self.engine_id if self.engine_replicas == 1 and replica_rank == 0 else f"{self.engine_id}-{replica_rank}"
+        """`engine_id` itself with one replica for good, else `<engine_id>-<rank>`: a replica Serve replaces
+        takes the dead one's rank, so it is the same engine again (its detached aggregator, its statistics)."""
+        alone = self.engine_replicas == 1 and not self.autoscaling
+        return self.engine_id if alone and replica_rank == 0 else f"{self.engine_id}-{replica_rank}"
 
     def engine_config(self, replica_rank: int = 0) -> EngineConfig:
         """What the engine reads of these settings, typed and frozen (built once, in the engine's replica)."""

@@ -21,7 +21,8 @@ class EngineClient:
     def __init__(self, handle: DeploymentHandle, tokenizer: Any, info: EngineInfo, resend_s: float,
                  routing: str = "pow2", engines: list[str] | None = None) -> None:
         self._h = handle
-        self.engines = engines or []  # the fleet's engine ids (several: /kv_events needs one named)
+        # the fleet's engine ids (several: /kv_events needs one named); the fleet's own list under autoscaling
+        self.engines = engines if engines is not None else []
         self.routing = routing  # what the request router reads: the text (prefix_affinity), the tokens (kv)
         self.follower: FleetFollower | None = None
         if routing == "kv":  # the kv router's view of every replica's cache: followed from here

@@ -18,7 +18,8 @@ say nothing of retrying a started (streaming) request, and it could not resume o
 knows which tokens the client already has.
 
 What is not re-sent: anything a live engine raised (RequestError 400, Overloaded 429, EngineError 503,
-RequestFailed 500), which reaches the ingress as a RayTaskError, not as the replica's death.
+RequestFailed 500), which reaches the ingress as a RayTaskError, not as the replica's death; but EngineStopping
+is: the replica is going away (a scale-down) with the request admitted.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from typing import Any
 from ray.exceptions import RayActorError, RayTaskError
 
 from engine.backoff import backoff_s
-from engine.errors import RETRY_AFTER_DOWN_S, EngineError
+from engine.errors import RETRY_AFTER_DOWN_S, EngineError, EngineStopping
 from engine.messages import ADMITTED
 
 logger = logging.getLogger("kvfleet.deployment")
@@ -50,9 +51,10 @@ Send = Callable[[str | None, list[int], Any, int], AsyncIterator[Any]]
 
 
 def replica_lost(exc: BaseException) -> bool:
-    """The replica died or cannot be reached. A live engine's own error arrives as a RayTaskError, which may
-    also be an instance of its cause's class (a RayActorError the engine raised is then not the replica's)."""
-    return isinstance(exc, RayActorError) and not isinstance(exc, RayTaskError)
+    """The replica died, cannot be reached, or is stopping (EngineStopping: Serve scaled it down while the
+    request ran). A live engine's own error arrives as a RayTaskError, which is also an instance of its cause's
+    class (a RayActorError the engine raised is then not the replica's)."""
+    return isinstance(exc, EngineStopping) or (isinstance(exc, RayActorError) and not isinstance(exc, RayTaskError))
 
 
 def with_seed(params: Any) -> Any:

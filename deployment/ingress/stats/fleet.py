@@ -26,6 +26,8 @@ from kvcache.stats import hit_rate
 logger = logging.getLogger("kvfleet.deployment")
 CURSOR_FORM = "<engine id>:<iteration>,... (e.g. engine-0-0:812,engine-0-1:400)"
 NOT_SUMMED = ("tokensPerBlock", "cacheHitRate")
+# the cumulative kvCacheStats: a gone engine's stay in the fleet's sums (they must never go back), its gauges not
+COUNTERS = ("allocTotalBlocks", "allocNewBlocks", "reusedBlocks", "missedBlocks")
 
 
 class CursorError(ValueError):
@@ -81,32 +83,92 @@ def _order(entry_of: tuple[str, dict]) -> tuple:
 
 
 class FleetStats:
-    """The engines' mirrors side by side; the merged reads over them."""
+    """The engines' mirrors side by side; the merged reads over them.
 
-    def __init__(self, mirrors: dict[str, StatsMirror]) -> None:
-        if not mirrors:
+    Under autoscaling (`dynamic`) engines come and go (`apply`, from the fleet's registry, engine/registry.py):
+    one that joins gets a mirror at once; one that is gone stays readable (its records, and its counters in the
+    fleet's sums, so they never go back) but leaves /metrics' per-engine series, /stats/ranks and /health's
+    count of engines up, and is forgotten `retention_s` after it went (its counters then stay in `retired`)."""
+
+    def __init__(self, mirrors: dict[str, StatsMirror], dynamic: bool = False,
+                 mirror_options: dict[str, Any] | None = None) -> None:
+        if not mirrors and not dynamic:
             raise ValueError("a fleet has at least one engine")
         self.mirrors = mirrors
         self.ids = list(mirrors)
-        first = next(iter(mirrors.values()))
+        self.dynamic = dynamic
+        self._options = mirror_options or {}
+        first = next(iter(mirrors.values()), None) or StatsMirror(None, **self._options)
         self.keepalive_s = first.keepalive_s
         self._changes = first.changes  # shared by every mirror when built by `over`
         self.subscribers = 0
+        self.gone: dict[str, float] = {}  # engine id -> when it was found gone (time.monotonic())
+        self.retired: dict[str, int] = {}  # the counters of the gone engines already forgotten
 
     @classmethod
-    def over(cls, upstreams: dict[str, Upstream], **mirror_options: Any) -> FleetStats:
+    def over(cls, upstreams: dict[str, Upstream], dynamic: bool = False, **mirror_options: Any) -> FleetStats:
         """One mirror per engine, all waking one change signal (a merged reader waits on every engine)."""
         changes = LongPoll()
-        return cls({eid: StatsMirror(up, changes=changes, **mirror_options) for eid, up in upstreams.items()})
+        mirrors = {eid: StatsMirror(up, changes=changes, **mirror_options) for eid, up in upstreams.items()}
+        fleet = cls(mirrors, dynamic, mirror_options)
+        fleet._changes = changes
+        return fleet
 
     @property
     def single(self) -> StatsMirror | None:
-        """The one engine's mirror (every route as with one engine), or None with several."""
-        return self.mirrors[self.ids[0]] if len(self.ids) == 1 else None
+        """The one engine's mirror (every route as with one engine), or None with several (or under
+        autoscaling, where a fleet of one now may be several soon: the routes keep the fleet's shape)."""
+        return self.mirrors[self.ids[0]] if len(self.ids) == 1 and not self.dynamic else None
+
+    @property
+    def live_ids(self) -> list[str]:
+        return [eid for eid in self.ids if eid not in self.gone]
 
     def start(self) -> None:
         for m in self.mirrors.values():
             m.start()
+
+    # ---- engines joining and leaving (autoscaling)
+
+    def apply(self, table: dict[str, dict], make_upstream: Any, retention_s: float, now: float) -> None:
+        """Follow the registry's table ({id: {"gone", "aggregator", ...}}, engine/registry.py `engines`): a new
+        live engine gets a mirror; one gone (or no longer listed) is marked so, and its mirror stops following
+        once its aggregator is removed; one gone for `retention_s` is forgotten."""
+        for eid, lease in table.items():
+            if lease["gone"] or (eid in self.mirrors and eid not in self.gone):
+                continue
+            if eid in self.mirrors:  # a gone id leased to a new engine
+                del self.gone[eid]
+                self.mirrors[eid].thaw()
+                self.mirrors[eid].start()
+                logger.info("fleet: engine %s is back", eid)
+                continue
+            mirror = self.mirrors[eid] = StatsMirror(make_upstream(eid), changes=self._changes, **self._options)
+            self.ids.append(eid)
+            mirror.start()  # at once, reader or not: once the engine is gone its aggregator goes too
+            logger.info("fleet: engine %s joined", eid)
+            self._changes.notify()
+        for eid in list(self.ids):
+            lease = table.get(eid)
+            if lease is not None and not lease["gone"]:
+                continue
+            if eid not in self.gone:
+                self.gone[eid] = now
+                logger.info("fleet: engine %s is gone", eid)
+            if lease is None or not lease["aggregator"]:
+                self.mirrors[eid].freeze()
+        for eid, at in list(self.gone.items()):
+            if now - at >= retention_s:
+                self._forget(eid)
+
+    def _forget(self, eid: str) -> None:
+        latest = self.mirrors[eid].entries(-1, None)
+        if latest:
+            for k in COUNTERS:
+                self.retired[k] = self.retired.get(k, 0) + latest[-1]["record"]["kvCacheStats"].get(k, 0)
+        del self.mirrors[eid], self.gone[eid]
+        self.ids.remove(eid)
+        logger.info("fleet: engine %s forgotten", eid)
 
     def check(self) -> None:
         for m in self.mirrors.values():
@@ -120,7 +182,7 @@ class FleetStats:
 
     def _merged(self, pos: dict[str, int], limit: int) -> list[tuple[str, dict]]:
         """Up to `limit` entries after `pos`, each engine's in its order (heapq.merge takes only heads)."""
-        runs = [[(eid, e) for e in self.mirrors[eid].entries(pos[eid], limit)] for eid in self.ids]
+        runs = [[(eid, e) for e in self.mirrors[eid].entries(pos.get(eid, -1), limit)] for eid in self.ids]
         return list(itertools.islice(heapq.merge(*runs, key=_order), limit))
 
     # ---- the merged reads (several engines, no `engine` filter)
@@ -148,7 +210,7 @@ class FleetStats:
 
         def poll() -> list[tuple[str, dict]]:
             for eid, m in self.mirrors.items():
-                if m.generation != gens[eid]:
+                if m.generation != gens.setdefault(eid, m.generation):  # an engine that joins starts at -1
                     gens[eid], pos[eid] = m.generation, -1
             return self._merged(pos, CHUNK)
 
@@ -167,26 +229,43 @@ class FleetStats:
             self.subscribers -= 1
 
     async def kv_cache_stats(self) -> dict[str, Any]:
-        per = await asyncio.gather(*(m.kv_cache_stats() for m in self.mirrors.values()))
-        engines = dict(zip(self.ids, per, strict=True))
-        return {"fleet": sum_kv_cache_stats(engines), "engines": engines}
+        """{"fleet": the exact sum, "engines": {id: kvCacheStats}}; under autoscaling also "gone": the ids
+        of engines gone but still readable (their counters are in the sum, their gauges not)."""
+        ids = list(self.ids)
+        per = await asyncio.gather(*(self.mirrors[eid].kv_cache_stats() for eid in ids))
+        engines = dict(zip(ids, per, strict=True))
+        if not self.dynamic:
+            return {"fleet": sum_kv_cache_stats(engines), "engines": engines}
+        return {"fleet": self._fleet_sum(engines), "engines": engines, "gone": [e for e in ids if e in self.gone]}
+
+    def _fleet_sum(self, engines: dict[str, dict]) -> dict[str, Any]:
+        """The live engines' kvCacheStats summed, plus the counters of those gone (read here or retired)."""
+        counted = {eid: st for eid, st in engines.items() if eid not in self.gone and st}
+        gone = [self.retired] + [engines[eid] for eid in engines if eid in self.gone]
+        counted["(gone)"] = {k: sum(st.get(k, 0) for st in gone) for k in COUNTERS}
+        return sum_kv_cache_stats(counted)
 
     async def ranks(self) -> dict[str, dict]:
-        per = await asyncio.gather(*(m.ranks() for m in self.mirrors.values()))
-        return dict(zip(self.ids, per, strict=True))
+        ids = self.live_ids
+        per = await asyncio.gather(*(self.mirrors[eid].ranks() for eid in ids))
+        return dict(zip(ids, per, strict=True))
 
     async def metrics_text(self) -> str:
         """Every engine's text with an `engine` label, plus the fleet totals; an engine whose aggregator does
         not answer is left out of this scrape (the others are still scraped)."""
-        texts = await asyncio.gather(*(m.metrics_text() for m in self.mirrors.values()), return_exceptions=True)
-        got = {eid: t for eid, t in zip(self.ids, texts, strict=True) if isinstance(t, str)}
+        ids = self.live_ids  # a gone engine's series stop
+        texts = await asyncio.gather(*(self.mirrors[eid].metrics_text() for eid in ids), return_exceptions=True)
+        got = {eid: t for eid, t in zip(ids, texts, strict=True) if isinstance(t, str)}
         if not got:
-            raise texts[0]
-        for eid, t in zip(self.ids, texts, strict=True):
+            raise texts[0] if texts else RuntimeError("no engine is up")
+        for eid, t in zip(ids, texts, strict=True):
             if not isinstance(t, str):
                 logger.warning("metrics: engine %s left out of this scrape (%s)", eid, type(t).__name__)
-        fleet = sum_kv_cache_stats({eid: (await self.mirrors[eid].kv_cache_stats()) for eid in got})
-        return merge_metrics(got, fleet, len(self.ids))
+        per = {eid: (await self.mirrors[eid].kv_cache_stats()) for eid in got}
+        if self.dynamic:  # the gone engines' counters too: the fleet's counters never go back
+            per.update({eid: await self.mirrors[eid].kv_cache_stats() for eid in self.ids if eid in self.gone})
+            return merge_metrics(got, self._fleet_sum(per), len(ids))
+        return merge_metrics(got, sum_kv_cache_stats(per), len(ids))
 
     async def engines_health(self, timeout_s: float) -> dict[str, dict]:
         """Each engine: up (its aggregator answers: an idle engine's ranks have reported nothing yet), why not,
@@ -199,6 +278,12 @@ class FleetStats:
                 return {"up": False, "why": f"aggregator: {why}", "aggregator": None}
             up = bool(agg.get("ok", True))
             return {"up": up, "why": None if up else "aggregator: not ok", "aggregator": agg}
-        got = await asyncio.gather(*(one(m) for m in self.mirrors.values()))
-        return dict(zip(self.ids, got, strict=True))
+        ids, live = list(self.ids), self.live_ids
+        got = await asyncio.gather(*(one(self.mirrors[eid]) for eid in live))
+        out = dict(zip(live, got, strict=True))
+        for eid in ids:
+            if eid not in live:  # readable in /stats until forgotten, never up again under this engine
+                out[eid] = {"up": False, "gone": True, "why": "gone: autoscaling stopped its replica",
+                            "aggregator": None}
+        return out
 

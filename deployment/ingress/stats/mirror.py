@@ -78,10 +78,24 @@ class StatsMirror:
         self._metrics: tuple[float, str] = (float("-inf"), "")
         self.subscribers = 0
         self.upstream_calls = 0
+        self.frozen = False  # its engine is gone and its aggregator removed: it keeps what it has, follows nothing
 
     def start(self) -> None:
-        if self._pump is None or self._pump.done():
+        if not self.frozen and (self._pump is None or self._pump.done()):
             self._pump = asyncio.get_running_loop().create_task(self._follow())
+
+    def freeze(self) -> None:
+        """Stop following (the aggregator was removed after a scale-down); the records stay readable."""
+        self.frozen = True
+        self._primed.set()
+        if self._pump is not None:
+            self._pump.cancel()
+            self._pump = None  # cancelled, maybe not done yet: a thaw starts a new one
+
+    def thaw(self) -> None:
+        """Follow again: the id was leased to a new engine (its fresh aggregator is another history)."""
+        self.frozen = False
+        self._resync = True
 
     def check(self) -> None:
         """Raise if the follower died of a bug (it outlives aggregator restarts by itself)."""
@@ -235,6 +249,8 @@ class StatsMirror:
 
     async def kv_cache_stats(self) -> dict:
         latest = self._records.latest()
+        if latest is None and self.frozen:
+            return {}
         return dict(latest["record"]["kvCacheStats"]) if latest else await self.upstream.kv_cache_stats()
 
     async def metrics_text(self) -> str:

@@ -11,7 +11,7 @@ import ray
 
 from deployment.ingress import resend
 from deployment.ingress.engine_client import EngineClient
-from engine.errors import EngineError, Overloaded, RequestError
+from engine.errors import EngineError, EngineStopping, Overloaded, RequestError
 from engine.messages import ADMITTED, EngineInfo
 from tests.support.engine_harness import generate, make_engine
 from workers.sampling_params import SamplingParams
@@ -258,3 +258,40 @@ def test_rays_prefix_router_reads_the_prompt_text_from_what_the_ingress_sends():
         return router._extract_text_from_request(pending)
 
     assert run(main()) == ByteTokenizer().decode(prompt)
+
+
+class StoppingHandle(Handle):
+    """Replica 0 shuts its engine down (as Serve stops a replica) after `stop_after` token events."""
+
+    def __init__(self, replicas: list, stop_after: int) -> None:
+        super().__init__(replicas)
+        self.stop_after = stop_after
+
+    def remote(self, req) -> Stream:
+        stream = super().remote(req)
+        if len(self.calls) == 1:
+            stream._events = self._stops(stream._events, self.replicas[0])
+        return stream
+
+    async def _stops(self, events, engine):
+        n = self.stop_after
+        async for ev in events:
+            yield ev
+            n -= ev is not ADMITTED
+            if n == 0:
+                await engine.shutdown()
+
+
+def test_a_request_on_a_replica_that_stops_mid_stream_is_re_sent_whole():
+    """A scale-down: Serve stops a replica whose engine still runs the request (its drain timed out); the
+    engine's shutdown hands it back (EngineStopping), and the ingress sends it on with the tokens so far."""
+    async def main():
+        expected = await generate(await make_engine(), PROMPT, **GREEDY)
+        handle = StoppingHandle([await make_engine(), await make_engine()], stop_after=4)
+        got = await tokens(client(handle).generate("cmpl-9", PROMPT, SamplingParams(**GREEDY)))
+        assert got == expected
+        assert [c[3] for c in handle.calls] == [0, 4]  # the re-send carried the 4 tokens already streamed
+        through_ray = ray.exceptions.RayTaskError("generate", "tb", EngineStopping("stopping")).as_instanceof_cause()
+        assert resend.replica_lost(through_ray)  # what the handle raises for it
+
+    run(main())
