@@ -9,6 +9,7 @@ the app today, and the Grafana dashboard against the metric names the aggregator
 import copy
 import functools
 import json
+import os
 import re
 import subprocess
 import sys
@@ -307,6 +308,21 @@ def kvfleet_env(config: dict[str, Any]) -> dict[str, str]:
     return app["runtime_env"]["env_vars"]
 
 
+def settings_from_env(env: dict[str, str]):
+    """deployment.settings.Settings as the app builds them from these KVFLEET_* env vars."""
+    from deployment.settings import Settings
+
+    return Settings(**{k.removeprefix("KVFLEET_").lower(): v for k, v in env.items()})
+
+
+# The engine deployment's options the code sets from the settings (deployment/build.py): replicas or
+# autoscaling, and the fleet's request router. A Serve config's entry would override the code's and could drift
+# from the KVFLEET_* env, so the manifest leaves them out; an autoscaling_config may be written to override the
+# policy (k8s/README.md, "Autoscaling"), with the settings' bounds (test_k8s_autoscaling.py).
+CODE_DECIDED = {"KVFleetEngine": {"num_replicas", "autoscaling_config", "request_router_config"}}
+OVERRIDABLE = {"KVFleetEngine": {"autoscaling_config"}}
+
+
 def test_serve_env_vars_are_valid_settings_sized_to_the_gpus():
     from deployment.settings import Settings
 
@@ -314,16 +330,17 @@ def test_serve_env_vars_are_valid_settings_sized_to_the_gpus():
     assert all(isinstance(v, str) for v in env.values()), "runtime_env env_vars must be strings"
     unknown = {k for k in env if k.removeprefix("KVFLEET_").lower() not in Settings.model_fields}
     assert not unknown, f"not kvfleet settings: {unknown}"
-    settings = Settings(**{k.removeprefix("KVFLEET_").lower(): v for k, v in env.items()})
+    settings = settings_from_env(env)
     assert settings.device == "cuda"
     gpus = sum(g["replicas"] * gpu_count(g["template"]["spec"]["containers"][0])
                for g in rayservice()["spec"]["rayClusterConfig"]["workerGroupSpecs"])
-    assert settings.engine_replicas * settings.dp * settings.tp == gpus, "one rank per GPU"
-    # a Serve config's num_replicas overrides the code's: the engine ids (and the fleet's router) follow
-    # KVFLEET_ENGINE_REPLICAS, so the two must say the same
+    assert settings.engine_replicas * settings.dp * settings.tp == gpus, "one rank per GPU at deploy"
+    # the engine ids, the fleet's router and the autoscaling bounds follow the KVFLEET_* settings, which the code
+    # turns into the deployment's options: a config entry for them would override the code's
     (app,) = serve_config()["applications"]
-    engine = next(d for d in app["deployments"] if d["name"] == "KVFleetEngine")
-    assert engine["num_replicas"] == settings.engine_replicas
+    for d in app["deployments"]:
+        name = d["name"]
+        assert not (CODE_DECIDED.get(name, set()) - OVERRIDABLE.get(name, set())) & d.keys(), name
     worker = rayservice()["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
     worker_cpus = int(worker["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"])
     deployments = serve_config()["applications"][0]["deployments"]
@@ -357,11 +374,13 @@ def test_raycluster_env_matches_the_rayservice_settings():
         assert env == kvfleet_env(serve_config()), group
 
 
-def serve_build_config(tmp_path: Path) -> dict[str, Any]:
-    """What `serve build deployment:app` writes today; skipped while the app does not exist yet."""
+def serve_build_config(tmp_path: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """What `serve build deployment:app` writes today, with `env` (KVFLEET_* settings) in its environment
+    instead of any of this shell's; skipped while the app does not exist yet."""
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("KVFLEET_")}, **(env or {})}
     probe = subprocess.run(
         [sys.executable, "-c", "import deployment; deployment.app"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        cwd=REPO, capture_output=True, text=True, timeout=300, env=env,
     )
     if probe.returncode != 0:
         last = probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else "?"
@@ -372,15 +391,15 @@ def serve_build_config(tmp_path: Path) -> dict[str, Any]:
     serve = Path(sys.executable).with_name("serve")
     built = subprocess.run(
         [str(serve), "build", "deployment:app", "-o", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        cwd=REPO, capture_output=True, text=True, timeout=300, env=env,
     )
     assert built.returncode == 0, built.stderr[-3000:]
     return yaml.safe_load(out.read_text())
 
 
 # The manifest's only deliberate departures from `serve build`: the engine's and the ingress replica reserve a
-# CPU each and a sliver of kvfleet_control, so they run on the GPU worker that advertises it (the head offers
-# neither) rather than anywhere a 0-CPU actor fits.
+# CPU each and a sliver of kvfleet_control, so they run on a GPU worker that advertises it (the head offers
+# neither) rather than anywhere a 0-CPU actor fits; and the options in CODE_DECIDED are left to the code.
 CONTROL = {"num_cpus": 1, "resources": {"kvfleet_control": 0.001}}  # KVFLEET_*_RESOURCE asks the same
 MANIFEST_DEPLOYMENT_OVERRIDES = {"KVFleetEngine": {"ray_actor_options": CONTROL},
                                  "KVFleetIngress": {"ray_actor_options": CONTROL}}
@@ -395,15 +414,19 @@ def with_overrides(app: dict[str, Any]) -> dict[str, Any]:
 
 
 def app_entry(app: dict[str, Any]) -> dict[str, Any]:
-    """The parts of an application entry that code decides (runtime_env and name are the manifest's)."""
-    deployments = sorted(app.get("deployments", []), key=lambda d: d["name"])
+    """The parts of an application entry that code decides (runtime_env and name are the manifest's), but
+    for the options in CODE_DECIDED (the settings' own)."""
+    deployments = sorted(({k: v for k, v in d.items() if k not in CODE_DECIDED.get(d["name"], set())}
+                          for d in app.get("deployments", [])), key=lambda d: d["name"])
     return {"import_path": app["import_path"], "route_prefix": app.get("route_prefix", "/"),
             "args": app.get("args", {}), "deployments": deployments}
 
 
 def test_serve_config_matches_serve_build(tmp_path):
-    """No drift: the manifest's application is `serve build`'s, plus the env vars it adds on purpose."""
-    built = serve_build_config(tmp_path)
+    """No drift: the manifest's application is what `serve build` makes of the app with the manifest's
+    settings (as the cluster builds it), plus the env vars it adds on purpose. A config's ray_actor_options
+    replaces the code's whole, so what the code puts there (the autoscaling metric push env) must be there."""
+    built = serve_build_config(tmp_path, kvfleet_env(serve_config()))
     ours = serve_config()
     (built_app,) = built["applications"]
     (our_app,) = ours["applications"]

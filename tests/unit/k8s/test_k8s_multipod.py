@@ -108,15 +108,31 @@ def test_gpu_pods_hold_whole_tp_groups_and_together_the_engine():
     s = settings()
     gpu_groups = {name: g for name, g in groups().items() if gpu_count(container(g)) > 0}
     assert "gpu" in gpu_groups and "control" not in gpu_groups
-    total = 0
+    total = least = most = 0
     for name, group in gpu_groups.items():
         per_pod = gpu_count(container(group))
         assert per_pod % s.tp == 0, f"{name}: a tp group is packed on one pod (STRICT_PACK)"
-        assert group["minReplicas"] == group["replicas"] == group["maxReplicas"], name
+        assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"], name
         assert int(container(group)["resources"]["limits"]["cpu"]) >= per_pod * s.num_cpus_per_rank, name
         total += group["replicas"] * per_pod
-    assert total == s.engine_replicas * s.dp * s.tp, "one rank per GPU"
+        least += group["minReplicas"] * per_pod
+        most += group["maxReplicas"] * per_pod
+    ranks = s.dp * s.tp  # one engine replica's, one GPU each
+    assert total == s.engine_replicas * ranks, "one rank per GPU at deploy"
+    # the Ray autoscaler adds pods up to maxReplicas for the replicas Serve adds (test_k8s_autoscaling.py)
+    assert s.autoscaling and least >= s.engine_replicas_min * ranks and most >= s.engine_replicas_max * ranks
     assert sum(g["replicas"] for g in gpu_groups.values()) > 1, "a multi-pod engine"
+
+
+def test_control_pods_hold_every_serve_replica_of_the_largest_fleet():
+    """The control group is not autoscaled: its CPUs fit the ingress and engine_replicas_max engine replicas."""
+    s = settings()
+    control = groups()["control"]
+    assert control["minReplicas"] == control["replicas"] == control["maxReplicas"]
+    deployments = overlay_serve_config()["applications"][0]["deployments"]
+    cpus = {d["name"]: d["ray_actor_options"]["num_cpus"] for d in deployments}
+    need = cpus["KVFleetIngress"] * s.ingress_replicas + cpus["KVFleetEngine"] * s.most_engines
+    assert control["minReplicas"] * int(container(control)["resources"]["limits"]["cpu"]) >= need
 
 
 def test_serve_config_is_the_bases_resized_with_the_replicas_on_kvfleet_control():
