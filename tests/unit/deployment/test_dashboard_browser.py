@@ -348,3 +348,44 @@ def test_fleet_view_resumes_with_the_vector_and_restarts_a_fresh_engine_alone(fl
     assert "engine-0-1: this engine has another history" in page.locator("#flags").inner_text()
     assert page.locator("#hit-rate").inner_text() == fleet_hit_rate_text({"a": a, "b": fresh})
     assert page.js_errors == []
+
+
+# ---- autoscaling: engines join and leave
+
+class ScriptedFleet(FleetStats):
+    """An autoscaled fleet whose registry table is the test's, applied on the server's loop whenever /health is
+    asked (as the ingress's member follower does every second)."""
+
+    sources: dict[str, RecordStats] = {}
+    table: dict[str, dict] = {}
+
+    async def engines_health(self, timeout_s: float) -> dict[str, dict]:
+        self.apply(dict(self.table), self.sources.get, 600, time.monotonic())
+        return await super().engines_health(timeout_s)
+
+
+def test_the_picker_follows_engines_that_join_and_leave(page):  # noqa: F811
+    live, gone = {"gone": False, "aggregator": True}, {"gone": True, "aggregator": False}
+    fleet = ScriptedFleet.over({}, dynamic=True, keepalive_s=0.5)
+    fleet.sources = {eid: RecordStats(seed=n, engine_id=eid) for n, eid in enumerate(("scale-0", "scale-1"))}
+    fleet.table = {"scale-0": live}
+    fleet.sources["scale-0"].push(10)
+    port = _free_port()
+    stop = run_uvicorn(create_api(FakeEngine(), fleet, Settings(model="random", dp=2, tp=1, engine_replicas_max=3)),
+                       port)
+    try:
+        page.goto(f"http://127.0.0.1:{port}/dashboard")
+        wait_for_cursor(page, "scale-0:9")  # a fleet of one keeps the fleet's shape
+        fleet.table = {"scale-0": live, "scale-1": live}  # a scale-up
+        fleet.sources["scale-1"].push(5)
+        wait_for_cursor(page, "scale-0:9,scale-1:4")  # the merged stream brings the new engine's records
+        options = "() => [...document.getElementById('engine').options].map(o => o.text).join('|')"
+        page.wait_for_function(f"() => ({options})() === 'all engines (fleet)|scale-0|scale-1'", timeout=WAIT_MS)
+        assert traces(page, "chart-hit") == {"hit rate % · scale-0": 10, "hit rate % · scale-1": 5}
+        fleet.table = {"scale-0": live, "scale-1": gone}  # a scale-down: still drawn, marked in the picker
+        page.wait_for_function(f"() => ({options})() === 'all engines (fleet)|scale-0|scale-1 (gone)'",
+                               timeout=WAIT_MS)
+        assert traces(page, "chart-hit") == {"hit rate % · scale-0": 10, "hit rate % · scale-1": 5}
+        assert page.js_errors == []
+    finally:
+        stop()

@@ -10,6 +10,7 @@
 (() => {
   const MAX_RECORDS = 2000;
   const REDRAW_MS = 500;
+  const ENGINES_MS = 10000;  // how often the engine list is asked again (autoscaling adds and removes engines)
   const RANKS_POLL_MS = 2000;
   const MAX_FLAGS = 50;
   const KEY_STORE = 'kvfleet.apiKey';
@@ -22,7 +23,7 @@
     dirty: false, redraws: 0, redrawMs: 0, views: new Set(), incomplete: 0, divergent: 0, epochs: {}, ranks: null,
     // engines: the ids /health names (null until asked); engine: the one picked, null for all of them;
     // cursor and latest: each engine's last record seen (the fleet view resumes and checks history per engine)
-    engines: null, engine: null, cursor: {}, latest: {},
+    engines: null, fleet: false, engine: null, cursor: {}, latest: {},
   };
   window.kvDashboard = state;
   const $ = (id) => document.getElementById(id);
@@ -58,7 +59,7 @@
   }
 
   // ---- engines
-  const fleetView = () => (state.engines || []).length > 1 && state.engine === null;
+  const fleetView = () => state.fleet && state.engine === null;
 
   // a path with its query; `engine` first, as the picked engine's stream is named
   function url(path, params = {}, engine = state.engine) {
@@ -66,13 +67,22 @@
     return q ? `${path}?${q}` : path;
   }
 
-  // /health is open (no key) and names the engines only when there are several; a 503 still names them
+  // /health is open (no key) and names the engines only when there are several (or the fleet autoscales); a 503
+  // still names them. Asked again every ENGINES_MS: under autoscaling engines join, and leave marked `gone`
   async function discoverEngines() {
     const resp = await fetch('health', {headers: {Accept: 'application/json'}, cache: 'no-store'});
     const body = await resp.json().catch(() => ({}));
-    state.engines = Object.keys(body.engines || {});
-    if (state.engines.length < 2) return;
-    for (const eid of state.engines) $('engine').add(new Option(eid, eid));
+    const engines = body.engines || {};
+    state.engines = [...new Set([...(state.engines || []), ...Object.keys(engines)])];
+    state.fleet = body.engines !== undefined;  // the fleet's shape: several engines, or an autoscaled fleet of one
+    if (!state.fleet) return;
+    const picker = $('engine');
+    for (const eid of state.engines) {
+      const label = engines[eid]?.gone ? `${eid} (gone)` : eid;
+      const option = [...picker.options].find((o) => o.value === eid);
+      if (option) option.text = label;
+      else picker.add(new Option(label, eid));
+    }
     $('engine-picker').hidden = false;
   }
 
@@ -291,7 +301,10 @@
   function series() {
     if (!fleetView()) return [{eid: null, recs: state.records}];
     const by = new Map(state.engines.map((eid) => [eid, []]));
-    for (const r of state.records) by.get(r.engineId)?.push(r);
+    for (const r of state.records) {
+      if (!by.has(r.engineId)) by.set(r.engineId, []);  // joined since /health was last asked
+      by.get(r.engineId).push(r);
+    }
     return [...by].filter(([, recs]) => recs.length).map(([eid, recs]) => ({eid, recs}));
   }
   const named = (name, eid) => (eid === null ? name : `${name} · ${eid}`);
@@ -484,6 +497,7 @@
   }
 
   setInterval(redraw, REDRAW_MS);
+  setInterval(() => { if (state.engines !== null) discoverEngines().catch(() => {}); }, ENGINES_MS);
   document.addEventListener('visibilitychange', redraw);
   follow();
   pollRanks();
