@@ -382,3 +382,18 @@ def remove_aggregator(engine_id: str) -> bool:
         ray.kill(actor, no_restart=True)
     kv_store().delete_prefix(checkpoint_prefix(engine_id))
     return actor is not None
+
+
+COUNTERS = ("allocTotalBlocks", "allocNewBlocks", "reusedBlocks", "missedBlocks")  # kvCacheStats that only grow
+
+
+async def final_counters(engine_id: str, timeout_s: float = 5.0) -> dict[str, int] | None:
+    """A gone engine's cumulative counters, from its aggregator before it is removed (None: it does not answer)."""
+    import asyncio
+
+    try:
+        actor = ray.get_actor(aggregator_name(engine_id), namespace=NAMESPACE)
+        stats = await asyncio.wait_for(actor.kv_cache_stats.remote(), timeout_s)
+    except Exception:
+        return None
+    return {k: int(stats.get(k, 0)) for k in COUNTERS}

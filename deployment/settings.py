@@ -63,8 +63,9 @@ class Settings(BaseSettings):
         1.0, gt=0, description="how often each replica pushes its load to Serve's controller (Serve's "
         "`RAY_SERVE_*_AUTOSCALING_METRIC_PUSH_INTERVAL_S`, 10 s by default)")
     gone_engine_retention_s: float = Field(
-        600.0, ge=0, description="how long an ingress keeps serving the records of an engine that autoscaling "
-        "stopped (marked gone) before it forgets them")
+        600.0, ge=0, description="how long the ingresses keep serving the records of an engine that autoscaling "
+        "stopped (marked gone) before they forget them (sooner if its id is leased to a new engine); its counters "
+        "stay in the fleet's sums")
     fleet_routing: Literal["kv", "pow2", "prefix_affinity"] = Field(
         "kv", description="how the ingress picks an engine replica: `kv` (exact, from every replica's KV "
         "events, and the dp group too), `pow2` (Serve's power of two choices) or `prefix_affinity` (Ray Serve "

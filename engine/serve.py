@@ -62,6 +62,9 @@ class KVFleetEngine:
         except BaseException:
             logger.exception("engine %s failed to start", self._engine.config.engine_id)
             await self._engine.shutdown()
+            # Serve still calls __del__ and tries again with a new replica of the same rank: the id stays leased to
+            # this dead holder, so the retry takes it over (not released: a release would make it gone)
+            self._engine = self._registry = None
             raise
         logger.info("engine %s started: dp=%d tp=%d model=%s", self._engine.config.engine_id, settings.dp, settings.tp,
                     settings.model or "built-in")
@@ -113,9 +116,10 @@ class KVFleetEngine:
         """Serve's routing stats of this replica: its engine id (what a router, or an operator, can read)."""
         return {"engine": self._engine.config.engine_id}
 
-    def record_autoscaling_stats(self) -> dict[str, float]:
+    async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics of this replica: its engine's exact load (engine/messages.py
-        `LoadReport`), which the engine deployment's policy reads (deployment/autoscale.py)."""
+        `LoadReport`), which the engine deployment's policy reads (deployment/autoscale.py). Async: on the
+        engine's loop, never in a thread beside it (its queues change under a sync method in Serve's pool)."""
         return dataclasses.asdict(self._engine.load_report())
 
     async def check_health(self) -> None:

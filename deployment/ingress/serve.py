@@ -6,7 +6,6 @@ tokenizing and detokenizing happen here. Statistics are served from the replica'
 
 import asyncio
 import logging
-import time
 from typing import Any
 
 from fastapi import FastAPI
@@ -46,9 +45,8 @@ class KVFleetIngress:
             from engine.registry import get_registry
 
             registry = get_registry(settings.engine_id, settings.gone_engine_retention_s, settings.engine_resource)
-            await follow_once(self._stats, registry, settings.gone_engine_retention_s)
-            self._members = asyncio.get_running_loop().create_task(
-                follow_members(self._stats, registry, settings.gone_engine_retention_s))
+            await follow_once(self._stats, registry)
+            self._members = asyncio.get_running_loop().create_task(follow_members(self._stats, registry))
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return create_api(self._engine, self._stats, self._settings)
@@ -87,19 +85,18 @@ def fleet_stats(settings: Settings, aggregator: Any) -> FleetStats:
 MEMBERS_POLL_S = 1.0  # how often an ingress asks the registry which engines there are
 
 
-async def follow_once(fleet: FleetStats, registry: Any, retention_s: float) -> None:
-    fleet.apply(await registry.engines.remote(), lambda eid: AggregatorClient(engine_id=eid), retention_s,
-                time.monotonic())
+async def follow_once(fleet: FleetStats, registry: Any) -> None:
+    fleet.apply(await registry.engines.remote(), lambda eid: AggregatorClient(engine_id=eid))
 
 
-async def follow_members(fleet: FleetStats, registry: Any, retention_s: float) -> None:
+async def follow_members(fleet: FleetStats, registry: Any) -> None:
     """Keep the fleet's engines those the registry lists, every MEMBERS_POLL_S; a failed call (the registry
     restarting) is retried at the next poll."""
     failures = 0
     while True:
         await asyncio.sleep(MEMBERS_POLL_S)
         try:
-            await follow_once(fleet, registry, retention_s)
+            await follow_once(fleet, registry)
             failures = 0
         except asyncio.CancelledError:
             raise

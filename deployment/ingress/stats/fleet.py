@@ -102,8 +102,8 @@ class FleetStats:
         self.keepalive_s = first.keepalive_s
         self._changes = first.changes  # shared by every mirror when built by `over`
         self.subscribers = 0
-        self.gone: dict[str, float] = {}  # engine id -> when it was found gone (time.monotonic())
-        self.retired: dict[str, int] = {}  # the counters of the gone engines already forgotten
+        self.gone: dict[str, dict] = {}  # engine id -> its lease in the registry, while gone
+        self.retired: dict[str, int] = {}  # the counters of the gone engines the registry no longer lists
 
     @classmethod
     def over(cls, upstreams: dict[str, Upstream], dynamic: bool = False, **mirror_options: Any) -> FleetStats:
@@ -130,44 +130,42 @@ class FleetStats:
 
     # ---- engines joining and leaving (autoscaling)
 
-    def apply(self, table: dict[str, dict], make_upstream: Any, retention_s: float, now: float) -> None:
-        """Follow the registry's table ({id: {"gone", "aggregator", ...}}, engine/registry.py `engines`): a new
-        live engine gets a mirror; one gone (or no longer listed) is marked so, and its mirror stops following
-        once its aggregator is removed; one gone for `retention_s` is forgotten."""
+    def apply(self, answer: dict[str, Any], make_upstream: Any) -> None:
+        """Follow the registry (engine/registry.py `engines`: {"engines": {id: {"gone", "aggregator", "final"}},
+        "retired": counters}): a new live engine gets a mirror, started at once; one gone is marked so, and its
+        mirror stops following once its aggregator is removed; one the registry no longer lists is forgotten
+        (its counters are in `retired`, the registry's, so every ingress sums the same)."""
+        table = answer["engines"]
+        self.retired = dict(answer.get("retired") or {})
         for eid, lease in table.items():
-            if lease["gone"] or (eid in self.mirrors and eid not in self.gone):
+            if eid in self.mirrors and not (eid in self.gone and not lease["gone"]):
                 continue
-            if eid in self.mirrors:  # a gone id leased to a new engine
-                del self.gone[eid]
-                self.mirrors[eid].thaw()
-                self.mirrors[eid].start()
-                logger.info("fleet: engine %s is back", eid)
-                continue
-            mirror = self.mirrors[eid] = StatsMirror(make_upstream(eid), changes=self._changes, **self._options)
+            if eid in self.mirrors:  # a gone id leased to a new engine: the old one's counters retired
+                self._forget(eid)
+            # a gone engine this ingress never saw (it started later) too: its final counters are in the sums
+            self.mirrors[eid] = StatsMirror(make_upstream(eid), changes=self._changes, **self._options)
             self.ids.append(eid)
-            mirror.start()  # at once, reader or not: once the engine is gone its aggregator goes too
+            self.mirrors[eid].start()  # at once, reader or not: once the engine is gone its aggregator goes too
             logger.info("fleet: engine %s joined", eid)
             self._changes.notify()
         for eid in list(self.ids):
             lease = table.get(eid)
-            if lease is not None and not lease["gone"]:
+            if lease is None:
+                self._forget(eid)
+                continue
+            if not lease["gone"]:
                 continue
             if eid not in self.gone:
-                self.gone[eid] = now
                 logger.info("fleet: engine %s is gone", eid)
-            if lease is None or not lease["aggregator"]:
+            self.gone[eid] = lease
+            if not lease["aggregator"]:
                 self.mirrors[eid].freeze()
-        for eid, at in list(self.gone.items()):
-            if now - at >= retention_s:
-                self._forget(eid)
 
     def _forget(self, eid: str) -> None:
-        latest = self.mirrors[eid].entries(-1, None)
-        if latest:
-            for k in COUNTERS:
-                self.retired[k] = self.retired.get(k, 0) + latest[-1]["record"]["kvCacheStats"].get(k, 0)
-        del self.mirrors[eid], self.gone[eid]
+        del self.mirrors[eid]
+        self.gone.pop(eid, None)
         self.ids.remove(eid)
+        self._changes.notify()
         logger.info("fleet: engine %s forgotten", eid)
 
     def check(self) -> None:
@@ -232,16 +230,18 @@ class FleetStats:
         """{"fleet": the exact sum, "engines": {id: kvCacheStats}}; under autoscaling also "gone": the ids
         of engines gone but still readable (their counters are in the sum, their gauges not)."""
         ids = list(self.ids)
-        per = await asyncio.gather(*(self.mirrors[eid].kv_cache_stats() for eid in ids))
-        engines = dict(zip(ids, per, strict=True))
+        per = await asyncio.gather(*(self.mirrors[eid].kv_cache_stats() for eid in ids), return_exceptions=True)
+        # an engine whose aggregator is not there yet (starting) or any more counts nothing in this answer
+        engines = {eid: st if isinstance(st, dict) else {} for eid, st in zip(ids, per, strict=True)}
         if not self.dynamic:
             return {"fleet": sum_kv_cache_stats(engines), "engines": engines}
         return {"fleet": self._fleet_sum(engines), "engines": engines, "gone": [e for e in ids if e in self.gone]}
 
     def _fleet_sum(self, engines: dict[str, dict]) -> dict[str, Any]:
-        """The live engines' kvCacheStats summed, plus the counters of those gone (read here or retired)."""
+        """The live engines' kvCacheStats summed, plus the counters of those gone (their final ones as the
+        registry read them, else their newest record's) and of those retired."""
         counted = {eid: st for eid, st in engines.items() if eid not in self.gone and st}
-        gone = [self.retired] + [engines[eid] for eid in engines if eid in self.gone]
+        gone = [self.retired] + [self.gone[eid].get("final") or engines.get(eid) or {} for eid in self.gone]
         counted["(gone)"] = {k: sum(st.get(k, 0) for st in gone) for k in COUNTERS}
         return sum_kv_cache_stats(counted)
 
@@ -263,7 +263,7 @@ class FleetStats:
                 logger.warning("metrics: engine %s left out of this scrape (%s)", eid, type(t).__name__)
         per = {eid: (await self.mirrors[eid].kv_cache_stats()) for eid in got}
         if self.dynamic:  # the gone engines' counters too: the fleet's counters never go back
-            per.update({eid: await self.mirrors[eid].kv_cache_stats() for eid in self.ids if eid in self.gone})
+            per.update({eid: self.mirrors[eid].newest_stats() for eid in self.ids if eid in self.gone})
             return merge_metrics(got, self._fleet_sum(per), len(ids))
         return merge_metrics(got, sum_kv_cache_stats(per), len(ids))
 

@@ -40,6 +40,11 @@ class Upstream(Protocol):
     async def query(self, since: int, limit: int | None, ranks: bool) -> list[dict]: ...
     async def wait_records(self, since: int, timeout_s: float) -> list[dict]: ...
     async def ranks(self) -> dict[str, RankHealth]: ...
+    def newest_stats(self) -> dict:
+        """The newest mirrored record's kvCacheStats ({} before any), asking the aggregator nothing."""
+        latest = self._records.latest()
+        return dict(latest["record"]["kvCacheStats"]) if latest else {}
+
     async def kv_cache_stats(self) -> dict: ...
     async def metrics_text(self) -> str: ...
     async def health(self) -> AggregatorHealth: ...
@@ -91,16 +96,6 @@ class StatsMirror:
         if self._pump is not None:
             self._pump.cancel()
             self._pump = None  # cancelled, maybe not done yet: a thaw starts a new one
-
-    def thaw(self) -> None:
-        """Follow again: the id was leased to a new engine (its fresh aggregator is another history)."""
-        self.frozen = False
-        self._resync = True
-
-    def check(self) -> None:
-        """Raise if the follower died of a bug (it outlives aggregator restarts by itself)."""
-        if self._pump is not None and self._pump.done() and not self._pump.cancelled():
-            raise RuntimeError(f"the stats mirror stopped: {self._pump.exception()!r}")
 
     async def close(self) -> None:
         if self._pump is not None:
@@ -247,6 +242,11 @@ class StatsMirror:
         finally:
             self.subscribers -= 1
 
+    def newest_stats(self) -> dict:
+        """The newest mirrored record's kvCacheStats ({} before any), asking the aggregator nothing."""
+        latest = self._records.latest()
+        return dict(latest["record"]["kvCacheStats"]) if latest else {}
+
     async def kv_cache_stats(self) -> dict:
         latest = self._records.latest()
         if latest is None and self.frozen:
@@ -261,7 +261,9 @@ class StatsMirror:
         return text
 
     async def ranks(self) -> dict[str, dict[str, Any]]:
-        """Every rank's health, as /stats/ranks shows it."""
+        """Every rank's health, as /stats/ranks shows it (none once its engine is gone)."""
+        if self.frozen:
+            return {}
         return {rank: dataclasses.asdict(r) for rank, r in (await self.upstream.ranks()).items()}
 
     async def health(self) -> dict[str, Any]:

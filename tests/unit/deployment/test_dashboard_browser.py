@@ -360,7 +360,7 @@ class ScriptedFleet(FleetStats):
     table: dict[str, dict] = {}
 
     async def engines_health(self, timeout_s: float) -> dict[str, dict]:
-        self.apply(dict(self.table), self.sources.get, 600, time.monotonic())
+        self.apply({"engines": dict(self.table), "retired": {}}, self.sources.get)
         return await super().engines_health(timeout_s)
 
 
