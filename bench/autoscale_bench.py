@@ -3,7 +3,8 @@ falls, replayed against simulated GPU replicas under each autoscaling policy and
 
     python bench/autoscale_bench.py [--trace ../shared/traces/mooncake_conversation_trace.jsonl] [--scale 0.125]
                                     [--speedup 0.03] [--trough 1.5] [--peak 6] [--minutes 7]
-                                    [--policies kv threshold serve fixed] [--out DIR]
+                                    [--policies kv threshold serve fixed] [--r1 R --e2e S]
+                                    [--serve-target X] [--out DIR]
 
 First one replica is measured: its throughput at saturation (`r1`, requests a wall second, closed loop) and
 its unloaded end-to-end time. The load then follows a trough of `--trough` x r1 requests a second, a ramp to a
@@ -16,7 +17,8 @@ fits on this machine: TTFTs are reported in the profile's seconds (wall x speedu
 is `--ttft` profile seconds; Serve's delays, a replica's start and the replica-seconds are wall time (a replica
 starts fast here against the profile: seconds of wall, a fraction of a profile second). `serve` gets
 `target_ongoing_requests` = r1 x the unloaded end-to-end time (a replica's requests in flight at full load, by
-Little's law) x 0.75.
+Little's law) x 0.75 (x `--serve-target`: a larger target runs fewer replicas). `--r1` and `--e2e` reuse
+an earlier calibration.
 
 Prints per policy: TTFT p50/p90 (profile s), the share of requests within the target, replica-seconds (and their
 ratio to `fixed`), scale events, requests lost. Writes each run's JSON and an SVG of replicas, requests waiting
@@ -193,13 +195,13 @@ async def main(args: argparse.Namespace) -> None:
     trace = read_trace(args.trace, None, args.scale)
     ray.init(address="local", num_cpus=256, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    r1, e2e = await calibrate(args, trace)
+    r1, e2e = (args.r1, args.e2e) if args.r1 else await calibrate(args, trace)
     minute = args.minutes * 60 / 7  # the phases' unit: 1 trough, 1 ramp, 2 peak, 1 ramp, 2 trough
     phases = [(minute, args.trough * r1, args.trough * r1), (minute, args.trough * r1, args.peak * r1),
               (2 * minute, args.peak * r1, args.peak * r1), (minute, args.peak * r1, args.trough * r1),
               (2 * minute, args.trough * r1, args.trough * r1)]
     requests = shaped(trace[args.calibration + 8:], phases)
-    target_ongoing = max(1.0, r1 * e2e * 0.75)
+    target_ongoing = max(1.0, r1 * e2e * 0.75 * args.serve_target)
     print(f"one replica: {r1:.2f} requests a wall second at saturation, {e2e:.1f} s end to end alone; load "
           f"{args.trough * r1:.2f} -> {args.peak * r1:.2f} requests a second, {len(requests)} requests over "
           f"{args.minutes} min; serve's target_ongoing_requests {target_ongoing:.1f}", flush=True)
@@ -238,6 +240,9 @@ if __name__ == "__main__":
     ap.add_argument("--downscale-delay", type=float, default=60.0, help="Serve's downscale_delay_s (wall)")
     ap.add_argument("--calibration", type=int, default=200, help="requests of the saturation run")
     ap.add_argument("--policies", nargs="*", default=["kv", "threshold", "serve", "fixed"])
+    ap.add_argument("--r1", type=float, default=0.0, help="one replica's requests a wall second (skips calibrating)")
+    ap.add_argument("--e2e", type=float, default=0.0, help="with --r1: a request's unloaded end-to-end wall time")
+    ap.add_argument("--serve-target", type=float, default=1.0, help="`serve`'s target_ongoing_requests times this")
     ap.add_argument("--out", help="a directory for each run's JSON and the SVG plot")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     asyncio.run(main(ap.parse_args()))
