@@ -54,7 +54,7 @@ COLORS = {"kv": "#1f77b4", "threshold": "#2ca02c", "serve": "#d62728", "fixed": 
 
 def app_settings(args: argparse.Namespace, extra: dict) -> dict:
     kv_tokens = int(H100_LLAMA_8B.kv_tokens * args.scale)
-    return {"model": "simulated", "engine_id": "scale", "tp": "1", "dp": "1", "tokens_per_block": str(BLOCK),
+    return {"model": "simulated", "tp": "1", "dp": "1", "tokens_per_block": str(BLOCK),
             "max_seq_len": str(int(140_000 * args.scale) + 4096), "host_cache_bytes": "0",
             "kv_cache_bytes": str(kv_tokens * TOKEN_BYTES), "max_num_seqs": "256", "max_num_batched_tokens": "8192",
             "simulated_speedup_ratio": str(args.speedup), "num_cpus_per_rank": "0.01", "placement_timeout_s": "600",
@@ -141,7 +141,8 @@ async def calibrate(args: argparse.Namespace, requests: list[TraceRequest]) -> t
     """One replica's requests a wall second at saturation, and a request's unloaded end-to-end wall time."""
     from ray import serve
 
-    serve.run(build_app(app_settings(args, {"engine_replicas": "1"})), name=APP, route_prefix="/")
+    serve.run(build_app(app_settings(args, {"engine_replicas": "1", "engine_id": "scale-calibration"})), name=APP,
+              route_prefix="/")
     url = f"http://127.0.0.1:{PORT}"
     alone = await replay(url, requests[:8], concurrency=1, progress=False)
     full = await replay(url, requests[8:8 + args.calibration], concurrency=64, progress=False)
@@ -208,7 +209,10 @@ async def main(args: argparse.Namespace) -> None:
     rows = []
     for name, extra in policies(args, target_ongoing).items():
         if name in args.policies:
-            rows.append({**await run_policy(name, app_settings(args, extra), requests, args), "speedup": args.speedup})
+            # an engine id of its own per run: a fixed fleet's engines would take a previous autoscaled run's ids
+            # while its registry still removes their aggregators (docs/architecture.md, "Autoscaling")
+            settings = app_settings(args, {**extra, "engine_id": f"scale-{name}"})
+            rows.append({**await run_policy(name, settings, requests, args), "speedup": args.speedup})
             r = rows[-1]
             print(f"{name}: {r['requests']} requests, lost {r['lost']}, TTFT p50 {r['ttft_p50_s']:.2f} p90 "
                   f"{r['ttft_p90_s']:.2f} s, within {r['within']:.1%}, {r['replica_s']} replica-s, "
