@@ -160,6 +160,15 @@ class EngineRegistryImpl:
             self._save()
         log.info("engine %s gone (its replica stopped); its aggregator goes in %.0f s", eid, GONE_GRACE_S)
 
+    async def disown(self, eid: str) -> None:
+        """An engine of a fixed fleet (no autoscaling) starts under this id: the registry lets go of it, so its
+        sweep never removes that engine's aggregator or ranks (an app redeployed without autoscaling)."""
+        async with self._lock:
+            lease = self.leases.pop(eid, None)
+            if lease is not None:
+                self._retire(lease)
+                self._save()
+
     async def engines(self) -> dict[str, Any]:
         """After a sweep: {"engines": {id: {"gone", "since", "aggregator", "final"}}, "retired": the counters of
         the gone engines no longer listed}. Ids gone past the retention are forgotten."""
@@ -199,6 +208,18 @@ class EngineRegistryImpl:
 
 
 EngineRegistry = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)(EngineRegistryImpl)
+
+
+async def disown_if_leased(engine_id: str, eid: str) -> None:
+    """What a fixed fleet's engine does at start: a registry left by an autoscaled app of the same `engine_id`
+    (if any) forgets `eid`."""
+    from aggregator.actor import NAMESPACE
+
+    try:
+        registry = ray.get_actor(registry_name(engine_id), namespace=NAMESPACE)
+    except ValueError:
+        return
+    await registry.disown.remote(eid)
 
 
 def get_registry(engine_id: str, retention_s: float, resource: str = "") -> ray.actor.ActorHandle:

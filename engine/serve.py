@@ -56,6 +56,10 @@ class KVFleetEngine:
                                           settings.engine_resource)
             self._holder = ray.get_runtime_context().get_actor_name()
             rank = int((await self._registry.claim.remote(rank, self._holder)).rpartition("-")[2])
+        else:  # an autoscaled app of this engine_id may have left a registry that still removes this id's actors
+            from engine.registry import disown_if_leased
+
+            await disown_if_leased(settings.engine_id, settings.engine_id_of(rank))
         self._engine = Engine(settings.engine_config(rank))
         try:
             await self._engine.start()

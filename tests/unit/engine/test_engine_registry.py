@@ -105,3 +105,16 @@ def test_a_dead_holder_that_no_replica_replaces_is_swept_as_gone(clock):
         assert r.removed == ["e-0"]  # its leftovers (ranks, aggregator) removed
 
     asyncio.run(main())
+
+
+def test_a_fixed_fleets_engine_disowns_its_id_so_the_sweep_leaves_its_actors_alone(clock):
+    async def main():
+        r = Registry()
+        r.alive = {"a"}
+        await r.claim(0, "a")
+        await r.release("e-0", "a")  # the autoscaled app was deleted
+        await r.disown("e-0")  # a fixed fleet's engine e-0 starts before the registry removed e-0's aggregator
+        clock[0] += registry.GONE_GRACE_S
+        assert (await r.engines())["engines"] == {} and r.removed == []
+
+    asyncio.run(main())
