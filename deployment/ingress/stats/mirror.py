@@ -95,7 +95,12 @@ class StatsMirror:
         self._primed.set()
         if self._pump is not None:
             self._pump.cancel()
-            self._pump = None  # cancelled, maybe not done yet: a thaw starts a new one
+            self._pump = None  # cancelled, maybe not done yet
+
+    def check(self) -> None:
+        """Raise if the follower died of a bug (it outlives aggregator restarts by itself)."""
+        if self._pump is not None and self._pump.done() and not self._pump.cancelled():
+            raise RuntimeError(f"the stats mirror stopped: {self._pump.exception()!r}")
 
     async def close(self) -> None:
         if self._pump is not None:
