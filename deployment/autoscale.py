@@ -49,8 +49,10 @@ class KVAutoscalingPolicy:
       `ttft_target_s`). Uncached prompt tokens are the work that makes the time to first token: tokens some dp
       group already holds cost nothing. A replica's rate is the mean of those the replicas measured (> 0), else
       `prefill_tokens_per_s`; with neither, the term is 0.
+    - demand need = uncached prompt tokens arriving a second (summed) / (that rate x `target_occupancy`): the
+      fleet grows with the arrivals, not only once they have queued.
     - sequence need = (running + waiting, summed) / (mean slots per replica x `target_occupancy`).
-    - desired = the larger need; while any replica is short of KV blocks (`short_groups`: it evicts blocks its
+    - desired = the largest need; while any replica is short of KV blocks (`short_groups`: it evicts blocks its
       queue needs) at least one replica more than are running.
     - below the running replicas, ceil(desired / `downscale_margin`) (never fewer than 1): the replicas left keep
       headroom, so a load near a boundary does not flap and each scale-down, which throws a KV cache away, is worth it.
@@ -76,14 +78,16 @@ class KVAutoscalingPolicy:
             return ctx.target_num_replicas, {}
         current = ctx.current_num_replicas
         prefill = self.prefill_need(loads)
+        demand = self.demand_need(loads)
         sequences = self.sequence_need(loads, current)
         short = _total(loads, "short_groups")
-        desired = max(prefill, sequences)
+        desired = max(prefill, demand, sequences)
         if short > 0:
             desired = max(desired, current + 1)
         elif desired < current:
             desired = min(current, max(1, math.ceil(desired / self.downscale_margin)))
-        return desired, {"prefill_need": prefill, "sequence_need": sequences, "short_groups": short}
+        return desired, {"prefill_need": prefill, "demand_need": demand, "sequence_need": sequences,
+                         "short_groups": short}
 
     def prefill_rate(self, loads: Loads) -> float:
         """One replica's prefill tokens per second: what the replicas measured, else the configured fallback."""
@@ -94,6 +98,14 @@ class KVAutoscalingPolicy:
         """Replicas whose prefill finishes the uncached prompt tokens now waiting within the TTFT target."""
         rate = self.prefill_rate(loads)
         return _total(loads, "uncached_prompt_tokens") / (rate * self.ttft_target_s) if rate > 0 else 0.0
+
+    def demand_need(self, loads: Loads) -> float:
+        """Replicas whose prefill keeps up with the uncached prompt tokens arriving, at the target occupancy: the
+        fleet grows with the arrivals, before they leave a queue (the backlog term alone acts only after)."""
+        rate = self.prefill_rate(loads)
+        if rate <= 0:
+            return 0.0
+        return _total(loads, "uncached_prompt_tokens_per_s") / (rate * self.target_occupancy)
 
     def sequence_need(self, loads: Loads, current: int) -> float:
         """Replicas whose slots hold the running and waiting requests at the target occupancy. With no slot

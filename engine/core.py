@@ -58,6 +58,7 @@ log = logging.getLogger("kvfleet.engine")
 # to the maximum, or as soon as something changes (a request arrives, finishes or is aborted): never a busy loop.
 NO_PROGRESS_PAUSE_S = (0.001, 0.25)
 PREFILL_WINDOW = 64  # the recent steps with prompt work whose rate the load report gives (`prefill_tokens_per_s`)
+DEMAND_WINDOW_S = 10.0  # the arrivals whose uncached prompt tokens a second the load report gives
 
 
 class Engine(EngineLifecycle, GroupRecovery):
@@ -101,6 +102,7 @@ class Engine(EngineLifecycle, GroupRecovery):
         self._completed = 0  # requests finished in the iteration being applied
         self.recorder = RequestRecorder(c.served_model_name, c.cache.max_seq_len, c.dp)
         self._prefill = collections.deque(maxlen=PREFILL_WINDOW)  # (prompt tokens, seconds) of recent steps
+        self._arrivals: collections.deque = collections.deque()  # (time, uncached prompt tokens) of new requests
 
     # ---- requests ----------------------------------------------------------------------------------------------
     @property
@@ -173,6 +175,7 @@ class Engine(EngineLifecycle, GroupRecovery):
             req.placed, req.fleet_predicted = placed[0], self.placement.predicted(placed[1]) + worth
         self._place(req)
         self._requests[rid] = req
+        self._arrivals.append((time.monotonic(), max(0, len(req.prompt) - req.hit_tokens)))
         return req
 
     async def stream(self, req: Request) -> AsyncIterator[TokenEvent]:
@@ -231,8 +234,12 @@ class Engine(EngineLifecycle, GroupRecovery):
                 short += self.hub.free[dp] < waiting_blocks(g, B)
         tokens = sum(n for n, _ in self._prefill)
         seconds = sum(s for _, s in self._prefill)
+        since = time.monotonic() - DEMAND_WINDOW_S
+        while self._arrivals and self._arrivals[0][0] < since:
+            self._arrivals.popleft()
+        arriving = sum(n for _, n in self._arrivals) / DEMAND_WINDOW_S
         return LoadReport(uncached, running, waiting + len(self._orphans), up * self.config.max_num_seqs,
-                          usage / up if up else 0.0, short, tokens / seconds if seconds else 0.0)
+                          usage / up if up else 0.0, short, tokens / seconds if seconds else 0.0, arriving)
 
     async def health(self) -> EngineHealth:
         """The engine's state; raises EngineError (an HTTP 503) while no dp group serves."""

@@ -151,3 +151,4 @@ class LoadReport:
     kv_usage: float  # share of its groups' primary KV blocks in use, 0..1 (as their ranks last reported)
     short_groups: float  # dp groups whose free blocks are fewer than their waiting requests need: they evict
     prefill_tokens_per_s: float  # prompt tokens computed per second of stepping over its recent steps (0: none)
+    uncached_prompt_tokens_per_s: float  # uncached prompt tokens arriving a second, over the last DEMAND_WINDOW_S

@@ -251,3 +251,15 @@ def test_serve_loads_the_threshold_policy_too():
     instance = _resolve_policy_callable(policy)
     assert instance.kv_threshold == 0.9
     assert instance(context([report(kv_usage=0.85)]))[0] == 2
+
+
+def test_kv_demand_need_grows_the_fleet_with_the_arrivals_before_a_queue_forms():
+    # no backlog yet, but uncached prompt tokens arrive at 3x what one replica prefills at the target occupancy
+    loads = [report(uncached_prompt_tokens_per_s=2400, prefill_tokens_per_s=1000, slots=16)] * 2
+    desired, state = KVAutoscalingPolicy()(context(loads))
+    assert state["prefill_need"] == 0 and state["demand_need"] == pytest.approx(4800 / 800)
+    assert desired == pytest.approx(6.0)
+    # in a trough the arrivals keep what they need: 1.5 replicas' worth does not shrink to one
+    loads = [report(uncached_prompt_tokens_per_s=600, prefill_tokens_per_s=1000, slots=16)] * 2
+    desired, _ = KVAutoscalingPolicy()(context(loads))
+    assert desired == 2
