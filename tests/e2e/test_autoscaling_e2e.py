@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from deployment.clients.client import StatsClient
-from tests.support.e2e_fixtures import module_app, summed_counters
+from tests.support.e2e_fixtures import engine_records, module_app, summed_counters
 
 pytestmark = pytest.mark.slow
 
@@ -53,14 +53,6 @@ def _stream(app: str, i: int, out: dict) -> None:
 
 COUNTERS = {"iterAllocTotalBlocks": "allocTotalBlocks",
             "iterReusedBlocks": "reusedBlocks", "iterMissedBlocks": "missedBlocks"}
-
-
-def _all(c: StatsClient, engine: str) -> list[dict]:
-    out, since = [], -1
-    while page := c.get_stats(since=since, limit=1000, engine=engine):
-        out.extend(page)
-        since = page[-1]["iter"]
-    return out
 
 
 def _engines(app: str) -> dict[str, dict]:
@@ -120,7 +112,7 @@ def test_load_grows_the_fleet_and_its_end_shrinks_it_losing_nothing(app):
         # the conservation law, per engine (gone ones included, from their records still readable) and for the
         # fleet: each engine's iteration counters sum to its cumulative stats, and the fleet's to their sum
         per = kv["engines"]
-        served = {eid: _all(c, eid) for eid in per}
+        served = {eid: engine_records(c, eid) for eid in per}
         assert any(served[eid] for eid in gone), "no gone engine served a stream"
         for eid, records in served.items():
             summed = summed_counters(records, COUNTERS)

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from deployment.clients.client import StatsClient
-from tests.support.e2e_fixtures import completion_text, module_app, summed_counters
+from tests.support.e2e_fixtures import completion_text, engine_records, module_app, summed_counters
 
 pytestmark = pytest.mark.slow
 
@@ -68,19 +68,11 @@ def _mirrored(c: StatsClient, deadline: float) -> tuple[dict, dict[str, list[dic
     engine's cumulative stats are its newest record's (the mirror serves kv_cache_stats from its newest)."""
     while True:
         fleet = c.kv_cache_stats()
-        per = {e: _all(c, e) for e in ENGINES}
+        per = {e: engine_records(c, e) for e in ENGINES}
         if all(per[e] and per[e][-1]["kvCacheStats"] == fleet["engines"][e] for e in ENGINES):
             return fleet, per
         assert time.monotonic() < deadline, "the mirrors never caught up"
         time.sleep(0.2)  # poll interval
-
-
-def _all(c: StatsClient, engine: str) -> list[dict]:
-    out, since = [], -1
-    while page := c.get_stats(since=since, limit=1000, engine=engine):
-        out.extend(page)
-        since = page[-1]["iter"]
-    return out
 
 
 def _fleet_routed(c: StatsClient) -> dict[str, list[int]]:
@@ -89,7 +81,7 @@ def _fleet_routed(c: StatsClient) -> dict[str, list[int]]:
     out = {}
     for e in ENGINES:
         sums = [0, 0, 0, 0]
-        for r in _all(c, e):
+        for r in engine_records(c, e):
             f = r["routing"]["fleet"]
             for i, k in enumerate(("requests", "predictedReusedBlocks", "realizedReusedBlocks")):
                 sums[i] += f[k]
@@ -167,7 +159,7 @@ def test_a_replica_killed_under_streaming_traffic_loses_no_request_and_the_fleet
     assert got == expected  # every stream complete: no gap, no repeat (greedy), wherever it was
     deadline = time.monotonic() + 240
     with StatsClient(app) as c:
-        last = {e: _all(c, e)[-1]["iter"] for e in ENGINES}
+        last = {e: engine_records(c, e)[-1]["iter"] for e in ENGINES}
         served = 1000
         # the replaced replica serves again, as the same engine (its aggregator, its iterations going on)
         while not all(c.get_stats(engine=e, since=last[e], limit=1) for e in ENGINES):

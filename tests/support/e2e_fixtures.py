@@ -140,6 +140,15 @@ def prometheus_query(target: str, query: str, workdir: pathlib.Path, timeout_s: 
         raise TimeoutError(f"no PromQL answer for {query!r} in {timeout_s}s")
 
 
+def engine_records(c, engine: str) -> list[dict]:
+    """Every record of one engine of a fleet, page by page (`c`: a StatsClient)."""
+    out, since = [], -1
+    while page := c.get_stats(since=since, limit=1000, engine=engine):
+        out.extend(page)
+        since = page[-1]["iter"]
+    return out
+
+
 def summed_counters(records: list[dict], counters: dict[str, str]) -> dict[str, int]:
     """The records' iteration counters summed over every window (`counters`: iteration name -> cumulative
     name), to hold against the change of the cumulative kvCacheStats: the conservation law."""
