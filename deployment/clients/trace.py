@@ -193,34 +193,6 @@ def summary(replay: Replay) -> dict:
     return out
 
 
-def oracle_hit_rate(requests: list[TraceRequest], capacity_blocks: int, block_tokens: int, scale: float) -> float:
-    """The prefix hit rate of one LRU cache of `capacity_blocks` KV blocks of `block_tokens` that holds every
-    prompt (what a router reaches that sees the fleet's caches as one): per request, its full KV blocks found
-    as far as its trace ids agree with what is cached. Outputs are not counted (they take room in a real cache,
-    so this is the better side of the real thing)."""
-    per_id = max(1, round(MOONCAKE_BLOCK * scale))  # tokens per trace block after scaling
-    cache: dict[tuple[int, ...], int] = {}  # a prefix of ids -> the KV blocks it adds, least recently used first
-    held = hit = total = 0
-    for req in requests:
-        full = len(req.prompt) // block_tokens
-        total += full
-        matched = 0
-        for k in range(1, len(req.hash_ids) + 1):
-            key = req.hash_ids[:k]
-            if key not in cache:
-                break
-            cache[key] = cache.pop(key)  # now the most recently used
-            matched = k
-        hit += min(full, matched * per_id // block_tokens)
-        for k in range(matched + 1, len(req.hash_ids) + 1):
-            blocks = (min(len(req.prompt), k * per_id) // block_tokens) - ((k - 1) * per_id // block_tokens)
-            cache[req.hash_ids[:k]] = blocks
-            held += blocks
-        while held > capacity_blocks and cache:
-            held -= cache.pop(next(iter(cache)))
-    return hit / total if total else 0.0
-
-
 def write_results(path: str | Path, meta: dict, replay: Replay) -> None:
     """The run's settings, summary and every request's result as JSON, and a plot of it over time next to it
     (`.html`, plotly: TTFT, inter-token latency and requests in flight)."""

@@ -13,7 +13,6 @@ from deployment.clients.trace import (
     Result,
     TraceRequest,
     block_text,
-    oracle_hit_rate,
     percentile,
     read_trace,
     replay,
@@ -65,20 +64,6 @@ def test_the_cli_says_why_it_cannot_replay(tmp_path, capsys):
     f.write_text("{nope\n")
     assert loadgen(["--trace", str(f), "--url", "http://127.0.0.1:9"]) == 2
     assert "bad.jsonl:1: not a Mooncake trace line" in capsys.readouterr().err
-
-
-def req(ids, tokens_per_id=32):
-    return TraceRequest(0.0, "x" * (tokens_per_id * len(ids)), 1, tuple(ids))
-
-
-def test_the_oracle_hits_what_one_cache_of_the_fleets_size_holds():
-    # scale 1/16: a trace block is 32 tokens, two KV blocks of 16
-    reqs = [req([1, 2, 3]), req([1, 2, 4]), req([1, 2, 3]), req([9])]
-    # unlimited: request 2 finds [1, 2] (4 of 6 blocks), request 3 all 6; 10 of 20 blocks in all
-    assert oracle_hit_rate(reqs, 10**6, 16, 1 / 16) == pytest.approx(10 / 20)
-    # room for 6 blocks: request 2's [4] pushes [1, 2, 3]'s last block out first (least recently used)
-    assert oracle_hit_rate(reqs, 6, 16, 1 / 16) == pytest.approx(8 / 20)
-    assert oracle_hit_rate([], 10, 16, 1) == 0.0
 
 
 def test_percentiles_and_summary():
