@@ -71,8 +71,16 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
                                    ray_actor_options=actor_options(settings.engine_resource, push_env(settings)),
                                    **({"request_router_config": router} if router else {})).bind(settings)
     return KVFleetIngress.options(num_replicas=settings.ingress_replicas,
-                                  ray_actor_options=actor_options(settings.ingress_resource, push_env(settings))
+                                  ray_actor_options=actor_options(settings.ingress_resource,
+                                                                  {**push_env(settings), **INGRESS_ENV})
                                   ).bind(settings, engine)
+
+
+# Serve runs a handle's router on a thread and event loop of its own by default, and a replica's user code on
+# another: in the ingress the kv router's decisions (1 ms of CPU at p99) then wait for the GIL that the loop
+# streaming every token holds. On one loop the router, the follower (deployment/router/fleet_view.py) and the
+# ingress share a thread and hand over only where they await (bench/README.md, fleet_scale.py: decision p99).
+INGRESS_ENV = {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0", "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 
 
 # the autoscaling policies `autoscaling_policy` names (deployment/autoscale.py); `serve` is Serve's default

@@ -10,11 +10,12 @@ the chosen replica the group it scored best (`GenerateRequest.dp`), so the engin
   of its KV stream since the last id (a snapshot after a restart, a resync or a first call), and its groups'
   load and room. Serve's handle cannot address a replica, so the call carries `replica=<id>` and the router
   sends it to that replica.
-- `KVFleetRouter` (Serve's router loop, another thread) decides with the views the follower writes (`place`).
-  They share a `FleetView`: the router owns the set of live replicas (Serve tells it), the follower the
-  per-replica views. Plain dict reads, appends and whole-object replacements only, so no lock: CPython's dict
-  and list operations are atomic (a decision appended while a report replaces the list is lost, which only
-  makes that replica's load look lighter until its next report, some milliseconds later).
+- `KVFleetRouter` (Serve's router, on the ingress's event loop: deployment/build.py, INGRESS_ENV) decides with
+  the views the follower writes (`place`). They share a `FleetView`: the router owns the set of live replicas
+  (Serve tells it), the follower the per-replica views. Plain dict reads, appends and whole-object replacements
+  only, so no lock, even where Serve runs the router on a thread of its own (its default elsewhere, and
+  in tests): CPython's dict and list operations are atomic (a decision appended while a report replaces the
+  list is lost, which only makes that replica's load look lighter until its next report).
 
 Between a decision and the replica's next report the router counts what it sent there itself: each routed
 request carries a ticket (this view's id, a sequence number); a replica reports the newest ticket of each
