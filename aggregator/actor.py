@@ -12,10 +12,10 @@ cluster records read by cursor (`query`, never removing anything), a long poll f
   too, once per registration (the live incarnations' and those the kept rank details name: see Assembler);
 - a restarted actor (same actor id) restores both, with `aggregatorEpoch` one higher; the engine sees the new
   epoch in a reply and re-sends every iteration not yet acknowledged. The cumulative `kvCacheStats` continue
-  from the checkpoint, so they never go backwards; the newest records are checkpointed too (a ring of
-  2 * TAIL_RECORDS slots, one per record), so a reader that had not yet fetched the last records before the
-  restart still gets every record: the stream has no gap. Older buffered records are gone (the ingress
-  mirrors keep theirs).
+  from the checkpoint, so they never go backwards; the newest records are checkpointed too (a ring of slots of
+  TAIL_CHUNK consecutive records, 2 * TAIL_RECORDS records and a slot more), so a reader that had not yet
+  fetched the last records before the restart still gets every record: the stream has no gap. Older buffered
+  records are gone (the ingress mirrors keep theirs).
 
 One engine feeds an aggregator at a time. The engine's first `register` attaches it: a new session number
 (checkpointed before the reply), and the reply's `acked` is where the engine's iterations continue. Every
@@ -24,8 +24,9 @@ replica's last ingest, still in flight (Ray retries it), can never be merged int
 
 Every crash point leaves a consistent checkpoint: an ingest checkpoints at most TAIL_RECORDS iterations at a
 time, their slots first, then the state. Slots written after the last state save hold iterations the state
-does not cover (ignored at restore: the engine re-sends them), and they can overwrite only the oldest
-TAIL_RECORDS of the ring, so the newest TAIL_RECORDS records that the state covers always survive. (Writing a
+does not cover (ignored at restore: the engine re-sends them), and they can overwrite only records older than
+the ring's newest TAIL_RECORDS and a slot (the slot more is for a chunk's misalignment), so the newest
+TAIL_RECORDS records that the state covers always survive. (Writing a
 whole large batch's slots before one state save overwrote exactly the records that state covered.)
 """
 
@@ -53,7 +54,14 @@ log = logging.getLogger("kvfleet.aggregator")
 _KV_NAMESPACE = "kvfleet"
 WAIT_LIMIT = 1000  # most records one wait_records call returns
 TAIL_RECORDS = 256  # a restart restores at least this many of the newest records its checkpoint covers
-TAIL_SLOTS = 2 * TAIL_RECORDS  # the ring of record slots: one state save per TAIL_RECORDS slots written
+# records a tail slot holds: a slot written whole per ingest, not a write per record (a GCS write each record
+# was most of the aggregator's CPU at a step every few milliseconds: bench/engine_bench.py, stats on/off)
+TAIL_CHUNK = 16
+
+
+def tail_slots() -> int:
+    """The ring's slots: 2 * TAIL_RECORDS records and a slot more (read at call time: tests shrink TAIL_*)."""
+    return -(-2 * TAIL_RECORDS // TAIL_CHUNK) + 1
 
 
 SLIVER = 0.001  # of a placement resource (`engine_resource`): it steers where the actor runs, it reserves nothing
@@ -149,6 +157,7 @@ class StatsAggregatorImpl:
         self.session = (saved or {}).get("session", 0)  # of the engine attached last
         self.vllm = VllmMetrics(engine_id)  # vLLM's families, cumulative like the totals
         self.vllm.restore((saved or {}).get("vllm"))
+        self._tail_chunk, self._tail = -1, {}  # the tail ring's chunk being filled (_save_tail)
         if saved:
             for rec in self._load_tail():
                 self.buffer.append(rec)
@@ -164,16 +173,32 @@ class StatsAggregatorImpl:
                  self.asm.epoch, world_size, tp, bool(saved))
 
     def _save_tail(self, records: list[dict[str, Any]]) -> None:
-        """Each new record into its slot of the checkpoint's tail ring (O(records emitted))."""
-        for rec in records:
-            self._ckpt.save(f"rec/{rec['iter'] % TAIL_SLOTS}", rec)
+        """The new records into the checkpoint's tail ring: the slot of each TAIL_CHUNK consecutive iterations
+        they fall in, written once, whole (the chunk being filled is kept here: O(records emitted))."""
+        slots = tail_slots()
+        i = 0
+        while i < len(records):
+            chunk = records[i]["iter"] // TAIL_CHUNK
+            if chunk != self._tail_chunk:
+                self._tail_chunk, self._tail = chunk, {}
+            while i < len(records) and records[i]["iter"] // TAIL_CHUNK == chunk:
+                self._tail[records[i]["iter"]] = records[i]
+                i += 1
+            self._ckpt.save(f"tail/{chunk % slots}", list(self._tail.values()))
 
     def _load_tail(self) -> list[dict[str, Any]]:
         """The tail ring's records up to the restored last emitted iteration, oldest first (a slot written after
-        the last state save holds an iteration the engine sends again)."""
+        the last state save holds iterations the engine sends again); the chunk being filled kept from them."""
         last = self.asm.last_emitted
-        recs = [self._ckpt.load(f"rec/{slot}") for slot in range(TAIL_SLOTS)] if last is not None else []
-        return sorted((r for r in recs if r is not None and r["iter"] <= last), key=lambda r: r["iter"])
+        if last is None:
+            return []
+        recs = []
+        for slot in range(tail_slots()):
+            recs += self._ckpt.load(f"tail/{slot}") or []
+        recs = sorted((r for r in recs if r["iter"] <= last), key=lambda r: r["iter"])
+        self._tail_chunk = last // TAIL_CHUNK
+        self._tail = {r["iter"]: r for r in recs if r["iter"] // TAIL_CHUNK == self._tail_chunk}
+        return recs
 
     def _save_state(self) -> None:
         self._ckpt.save("state", {**self.asm.checkpoint(), "totals": self.totals, "completed": self.completed,
@@ -244,12 +269,14 @@ class StatsAggregatorImpl:
         return records
 
     def _undo_point(self) -> tuple:
-        """What an emission changes before its save: O(ranks + metric series), never the records or layouts."""
+        """What an emission changes before its save: O(ranks + metric series + TAIL_CHUNK), never the records
+        or layouts (the tail's chunk being filled: a retry must write its slot with the records before it)."""
         totals = {view: {key: dict(t) for key, t in by_key.items()} for view, by_key in self.totals.items()}
-        return self.asm.snapshot(), totals, self.completed, self.vllm.to_state()
+        return (self.asm.snapshot(), totals, self.completed, self.vllm.to_state(), self._tail_chunk,
+                dict(self._tail))
 
     def _undo(self, point: tuple) -> None:
-        snap, self.totals, self.completed, vllm = point
+        snap, self.totals, self.completed, vllm, self._tail_chunk, self._tail = point
         self.asm.rollback(snap)
         self.vllm.restore(vllm)
 

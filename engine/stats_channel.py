@@ -1,7 +1,8 @@
 """The engine's end of the stats channel: each iteration's rank deltas to the aggregator, never blocking a step.
 
 `put` queues an iteration (O(1), from the step loop). One task sends everything queued in one `ingest` call,
-keeping one call in flight, so calls batch by themselves when the aggregator is slow. Delivery rides Ray: the
+keeping one call in flight and at most one call every SEND_EVERY_S, so calls batch by themselves when the
+aggregator is slow or the steps are fast. Delivery rides Ray: the
 aggregator actor restarts and Ray retries the call in flight (`max_task_retries`). What this adds is the one
 thing Ray cannot know: the engine keeps every iteration until a reply acknowledges it (the aggregator acks
 only what its checkpoint covers), and when a reply shows a new aggregator epoch it re-sends everything not
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from typing import Any
 
@@ -27,13 +29,20 @@ from engine.errors import one_line
 log = logging.getLogger("kvfleet.engine")
 
 RETRY_S = (0.05, 2.0)  # the pause after a failed call, doubling (engine/backoff.py), and its ceiling
+# At most one ingest call this often: each call costs the aggregator a merge and a checkpoint write to Ray's GCS,
+# so at a step every few milliseconds the calls, not the records, were the cost (bench/engine_bench.py's stats
+# on/off ratio). The first iteration after a quiet spell still goes at once.
+SEND_EVERY_S = 0.05
 
 
 class StatsChannel:
-    def __init__(self, aggregator: Any, max_unacked: int = 10_000, retry_s: tuple[float, float] = RETRY_S) -> None:
+    def __init__(self, aggregator: Any, max_unacked: int = 10_000, retry_s: tuple[float, float] = RETRY_S,
+                 send_every_s: float = SEND_EVERY_S) -> None:
         self.aggregator = aggregator
         self.max_unacked = max_unacked
         self.retry_s = retry_s
+        self.send_every_s = send_every_s
+        self._last_send = -float("inf")
         self.unacked: deque[Iteration] = deque()
         self.sent = -1  # newest iteration sent to the current aggregator epoch
         self.epoch: int | None = None
@@ -79,6 +88,10 @@ class StatsChannel:
             await self._wake.wait()
             self._wake.clear()
             while self.unacked and self.unacked[-1].iteration > self.sent:
+                wait = self._last_send + self.send_every_s - time.monotonic()
+                if wait > 0:
+                    await asyncio.sleep(wait)  # what arrives meanwhile goes in this call
+                self._last_send = time.monotonic()
                 batch = [it for it in self.unacked if it.iteration > self.sent]
                 try:
                     reply = await self.aggregator.ingest.remote(batch, self.session)

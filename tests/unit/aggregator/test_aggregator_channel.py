@@ -142,3 +142,33 @@ def test_kv_cache_stats_report_the_capacity_from_the_registered_layouts_before_a
     stats = asyncio.run(body.kv_cache_stats())
     assert stats["maxNumBlocks"] == 200 and stats["freeNumBlocks"] == 200 and stats["usedNumBlocks"] == 0
     assert stats["tokensPerBlock"] == 16 and stats["allocTotalBlocks"] == 0 and stats["cacheHitRate"] == 0.0
+
+
+def test_iterations_that_come_faster_than_the_send_cadence_ride_one_call():
+    """One ingest call per `send_every_s` at most: the first iteration goes at once, the ten that follow within
+    the cadence go together in the next call, and nothing is lost."""
+    cluster = FakeCluster(1, 1, seed=3)
+    handle = Handle(1, 1)
+    calls: list[list[int]] = []
+    ingest = handle._ingest
+
+    async def counting(batch, session):
+        calls.append([it.iteration for it in batch])
+        return await ingest(batch, session)
+
+    handle.ingest = types.SimpleNamespace(remote=counting)
+
+    async def run():
+        channel = StatsChannel(handle, retry_s=(0.0, 0.0), send_every_s=0.5)
+        await channel.register(cluster.layouts)
+        channel.put(cluster.iteration(0))
+        await asyncio.sleep(0)  # the channel's task sends it
+        for i in range(1, 11):  # a step loop's iterations, each after the loop yields
+            channel.put(cluster.iteration(i))
+            await asyncio.sleep(0)
+        await asyncio.wait_for(channel.drained(), 10)
+        await channel.close()
+
+    asyncio.run(run())
+    assert calls == [[0], list(range(1, 11))]
+    assert [r["iter"] for r in handle.bodies[-1].buffer.since(-1)] == list(range(11))

@@ -19,6 +19,7 @@ from engine.stats_channel import StatsChannel
 from tests.support.aggregator_support import FakeCluster
 
 TAIL = 8  # TAIL_RECORDS for these tests, so that a batch above it stays small
+CHUNK = 3  # TAIL_CHUNK: slots that do not line up with the batches or the tail
 PRIOR = 12  # iterations acknowledged (in calls of 5) before the batch that crashes
 
 
@@ -72,13 +73,13 @@ async def _scenario(cluster: FakeCluster, its: list, crash_after: int | None):
 @pytest.mark.parametrize("batch", [5, 20])  # below and above the tail size
 def test_a_crash_after_any_write_loses_no_acknowledged_record_and_counts_none_twice(monkeypatch, batch):
     monkeypatch.setattr(actor, "TAIL_RECORDS", TAIL)
-    monkeypatch.setattr(actor, "TAIL_SLOTS", 2 * TAIL, raising=False)
+    monkeypatch.setattr(actor, "TAIL_CHUNK", CHUNK)
     cluster = FakeCluster(2, 1, seed=3)
     its = [cluster.iteration(i) for i in range(PRIOR + batch)]
     end = PRIOR + batch
     reference, _, writes = asyncio.run(_scenario(cluster, its, None))
     assert [r["iter"] for r in reference.buffer.since(-1)] == list(range(end))
-    assert writes >= batch + 1  # a slot per record and at least one state
+    assert writes >= -(-batch // CHUNK) + 1  # a slot per chunk of records and at least one state
     for k in range(writes):
         body, restored, _ = asyncio.run(_scenario(cluster, its, k))
         where = f"crashed after {k} of {writes} writes"
@@ -102,7 +103,8 @@ def test_a_large_batch_dying_before_its_state_keeps_the_acknowledged_tail():
         body = StatsAggregatorImpl("e", 2, 1, checkpoint=store)
         await body.register(cluster.layouts)
         assert (await body.ingest([cluster.iteration(i) for i in range(100)])).acked == 99
-        store.limit = store.writes + actor.TAIL_RECORDS  # every slot of the first chunk, not its state
+        first = range(100, 100 + actor.TAIL_RECORDS)  # the first TAIL_RECORDS of the call: every slot, not the state
+        store.limit = store.writes + len({i // actor.TAIL_CHUNK for i in first})
         with pytest.raises(Crash):
             await body.ingest([cluster.iteration(i) for i in range(100, 400)])
         store.limit = None
@@ -131,7 +133,7 @@ async def _failing_once(cluster: FakeCluster, its: list, fail_at: int):
 @pytest.mark.parametrize("batch", [5, 20])  # one chunk, and chunks of TAIL
 def test_a_failed_write_acknowledges_nothing_unsaved_and_the_retry_loses_no_record(monkeypatch, batch):
     monkeypatch.setattr(actor, "TAIL_RECORDS", TAIL)
-    monkeypatch.setattr(actor, "TAIL_SLOTS", 2 * TAIL, raising=False)
+    monkeypatch.setattr(actor, "TAIL_CHUNK", CHUNK)
     cluster = FakeCluster(2, 1, seed=3)
     its = [cluster.iteration(i) for i in range(PRIOR + batch)]
     reference, _, writes = asyncio.run(_scenario(cluster, its, None))
@@ -145,6 +147,9 @@ def test_a_failed_write_acknowledges_nothing_unsaved_and_the_retry_loses_no_reco
         assert body.asm.cumulative.stats() == reference.asm.cumulative.stats(), where
         assert body.vllm.to_state() == reference.vllm.to_state(), where
         assert body.asm.counts["records"] == reference.asm.counts["records"], where
+        restarted = StatsAggregatorImpl("e", 2, 1, checkpoint=store)  # the tail's slots, rewritten by the retry
+        tail = [r["iter"] for r in restarted.buffer.since(-1)]
+        assert tail == list(range(tail[0], acked + 1)) and tail[0] <= acked - TAIL + 1, f"{where}: tail {tail}"
 
 
 class _FlakyStore(CrashingStore):
