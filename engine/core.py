@@ -42,7 +42,7 @@ from engine.lifecycle import EngineLifecycle
 from engine.messages import ADMITTED, Admitted, EngineHealth, GroupState, KVStreamEvent, LoadReport
 from engine.placement import Placement, group_load, waiting_blocks
 from engine.recovery import GroupRecovery, Orphans
-from engine.request_times import RequestRecorder
+from engine.request_times import ArrivalRate, RequestRecorder
 from engine.routing_record import RoutingRecord
 from engine.scheduler import Group, Request, TokenEvent, apply_result, engine_stats, plan_group, share_cores
 from engine.stats_channel import StatsChannel
@@ -102,7 +102,7 @@ class Engine(EngineLifecycle, GroupRecovery):
         self._completed = 0  # requests finished in the iteration being applied
         self.recorder = RequestRecorder(c.served_model_name, c.cache.max_seq_len, c.dp)
         self._prefill = collections.deque(maxlen=PREFILL_WINDOW)  # (prompt tokens, seconds) of recent steps
-        self._arrivals: collections.deque = collections.deque()  # (time, uncached prompt tokens) of new requests
+        self._arrivals = ArrivalRate(DEMAND_WINDOW_S)  # uncached prompt tokens of new requests
 
     # ---- requests ----------------------------------------------------------------------------------------------
     @property
@@ -175,7 +175,7 @@ class Engine(EngineLifecycle, GroupRecovery):
             req.placed, req.fleet_predicted = placed[0], self.placement.predicted(placed[1]) + worth
         self._place(req)
         self._requests[rid] = req
-        self._arrivals.append((time.monotonic(), max(0, len(req.prompt) - req.hit_tokens)))
+        self._arrivals.add(max(0, len(req.prompt) - req.hit_tokens), time.monotonic())
         return req
 
     async def stream(self, req: Request) -> AsyncIterator[TokenEvent]:
@@ -234,12 +234,9 @@ class Engine(EngineLifecycle, GroupRecovery):
                 short += self.hub.free[dp] < waiting_blocks(g, B)
         tokens = sum(n for n, _ in self._prefill)
         seconds = sum(s for _, s in self._prefill)
-        since = time.monotonic() - DEMAND_WINDOW_S
-        while self._arrivals and self._arrivals[0][0] < since:
-            self._arrivals.popleft()
-        arriving = sum(n for _, n in self._arrivals) / DEMAND_WINDOW_S
         return LoadReport(uncached, running, waiting + len(self._orphans), up * self.config.max_num_seqs,
-                          usage / up if up else 0.0, short, tokens / seconds if seconds else 0.0, arriving)
+                          usage / up if up else 0.0, short, tokens / seconds if seconds else 0.0,
+                          self._arrivals.per_s(time.monotonic()))
 
     async def health(self) -> EngineHealth:
         """The engine's state; raises EngineError (an HTTP 503) while no dp group serves."""

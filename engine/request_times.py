@@ -11,10 +11,39 @@ Times are the engine's monotonic clock; arrival is when the engine admitted the 
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from aggregator.request_stats import PROMPT_COUNTERS, FinishedRequest, RequestFigures, prompt_counts
+
+
+class ArrivalRate:
+    """Tokens arriving a second over the last `window_s` (the autoscaling load report's demand): what is older
+    leaves on every call, so it holds one window's arrivals whether or not anyone reads it (a fixed fleet never
+    does)."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._arrivals: deque[tuple[float, int]] = deque()  # (time, tokens), oldest first
+        self._tokens = 0  # their sum
+
+    def add(self, tokens: int, now: float) -> None:
+        self._arrivals.append((now, tokens))
+        self._tokens += tokens
+        self._expire(now)
+
+    def per_s(self, now: float) -> float:
+        self._expire(now)
+        return self._tokens / self.window_s
+
+    def __len__(self) -> int:
+        return len(self._arrivals)
+
+    def _expire(self, now: float) -> None:
+        since = now - self.window_s
+        while self._arrivals and self._arrivals[0][0] < since:
+            self._tokens -= self._arrivals.popleft()[1]
 
 
 @dataclass(slots=True)
