@@ -91,6 +91,7 @@ def test_load_grows_the_fleet_and_its_end_shrinks_it_losing_nothing(app):
         t.start()
     _wait("three engines", lambda: _live(app) == 3, deadline)
     _wait("a stream served by each engine", lambda: all(_records(app, e) for e in _engines(app)), deadline)
+    at_peak = len(out)  # streams started so far (a stream takes seconds here, so their number depends on timing)
     # one client from here: the load falls, and the fleet shrinks under its streams (each scale-down drains or
     # hands back a replica's requests) until one engine is left
     streams["workers"] = 1
@@ -100,7 +101,7 @@ def test_load_grows_the_fleet_and_its_end_shrinks_it_losing_nothing(app):
         t.join(timeout=DEADLINE_S)
     # every stream whole: all its tokens, [DONE], no error (a stopped replica's requests were re-sent)
     bad = {i: r for i, r in out.items() if r.get("status") != 200 or not r.get("done") or r.get("error")}
-    assert not bad and len(out) >= 12, bad
+    assert not bad and len(out) > at_peak, bad  # and streams kept coming while the fleet shrank
     assert all(len(r["text"]) == TOKENS for r in out.values())
 
     engines = _engines(app)
