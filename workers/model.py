@@ -10,7 +10,8 @@ never touched. The model never commits to the cache: the caller commits after `f
 
 Tensor parallelism: each rank holds `num_heads / tp` query heads and `num_kv_heads / tp` KV heads (its KV
 cache holds only those), q/k/v and gate/up are column-parallel, o/down row-parallel with an all-reduce, and
-the embedding and LM head are replicated, so every tp rank returns the same logits.
+the embedding and LM head are replicated, so every tp rank returns the same logits. q/k/v and gate/up each run
+as one matmul over their stacked weights (workers/parallel.py `Stacked`), under the checkpoint's own names.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from torch import nn
 from workers.config import ModelConfig
 from workers.paged_batch import Batch, DecodePlan, SeqView
 from workers.paged_kernels import cpu_decode_kernel
-from workers.parallel import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, param
+from workers.parallel import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, Stacked, param
 
 
 @dataclass
@@ -125,6 +126,7 @@ class Attention(nn.Module):
         self.q_proj = ColumnParallelLinear(cfg.hidden_size, cfg.num_heads * D, cfg.qkv_bias, tp_rank, tp_size)
         self.k_proj = ColumnParallelLinear(cfg.hidden_size, cfg.num_kv_heads * D, cfg.qkv_bias, tp_rank, tp_size)
         self.v_proj = ColumnParallelLinear(cfg.hidden_size, cfg.num_kv_heads * D, cfg.qkv_bias, tp_rank, tp_size)
+        self.qkv_proj = Stacked(self.q_proj, self.k_proj, self.v_proj)
         self.o_proj = RowParallelLinear(cfg.num_heads * D, cfg.hidden_size, cfg.o_bias, tp_rank, tp_size, group)
         self.q_norm = RMSNorm(D, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(D, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -132,9 +134,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Batch) -> torch.Tensor:
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -216,11 +219,13 @@ class MLP(nn.Module):
         h, i, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
         self.gate_proj = ColumnParallelLinear(h, i, b, tp_rank, tp_size)
         self.up_proj = ColumnParallelLinear(h, i, b, tp_rank, tp_size)
+        self.gate_up_proj = Stacked(self.gate_proj, self.up_proj)
         self.down_proj = RowParallelLinear(i, h, b, tp_rank, tp_size, group)
         self.act = _ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
