@@ -94,6 +94,11 @@ class Settings(BaseSettings):
     max_num_batched_tokens: int = Field(
         1024, ge=1, description="token budget of one engine step, per dp group (vLLM's CPU default is 2048 an engine)"
     )
+    max_prefill_tokens_while_decoding: int = Field(
+        64, ge=0, description="while requests decode and at most one waits a dp group, a group's step prefills "
+        "at most this many prompt tokens, so a new prompt does not stall the decodes of every group stepping "
+        "beside it; a longer queue gets the whole budget. 0 = always the whole budget"
+    )
     max_num_seqs: int = Field(32, ge=1, description="requests running at once per dp group")
     max_tokens_default: int = Field(64, ge=1, description="max_tokens when a request names none")
     stats_buffer_size: int = Field(

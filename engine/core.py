@@ -44,7 +44,16 @@ from engine.placement import Placement, group_load, waiting_blocks
 from engine.recovery import GroupRecovery, Orphans
 from engine.request_times import ArrivalRate, RequestRecorder
 from engine.routing_record import RoutingRecord
-from engine.scheduler import Group, Request, TokenEvent, apply_result, engine_stats, plan_group, share_cores
+from engine.scheduler import (
+    Group,
+    Request,
+    TokenEvent,
+    apply_result,
+    engine_stats,
+    plan_group,
+    prefill_cap,
+    share_cores,
+)
 from engine.stats_channel import StatsChannel
 from engine.transport import StepFailure, Transport, step_all
 from workers.model_setting import check_model, load_tokenizer
@@ -293,8 +302,9 @@ class Engine(EngineLifecycle, GroupRecovery):
         idle = 0  # steps in a row in which nothing moved
         while True:
             await self._wake.wait()
+            cap = prefill_cap(self._groups, self.config)
             plans = [None if g.down else plan_group(g, self.iteration, self.config,
-                                             self.placement.cached_tokens)
+                                                    self.placement.cached_tokens, cap)
                      for g in self._groups]
             if self._cores:
                 share_cores(plans, self._groups, self._cores, max(1, int(self.config.num_cpus_per_rank)))

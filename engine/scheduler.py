@@ -155,8 +155,24 @@ def shared_blocks(keys: list[int] | None, requests: Any) -> int:
     return best
 
 
+def is_decoding(r: Request) -> bool:
+    return r.total - r.num_computed_tokens <= 1
+
+
+def prefill_cap(groups: list[Group], s: EngineConfig) -> int:
+    """The prompt tokens a group's step may prefill beside decodes, 0 = its whole budget. The groups step in
+    lockstep, so one group's long prefill step holds every group's decodes back: while requests decode and the
+    queue is short (at most one request a group waits), a prompt goes in chunks of
+    `max_prefill_tokens_while_decoding` and the decodes ride along (Sarathi-Serve's stall-free batching); a
+    longer queue is served for throughput, at the whole budget."""
+    cap = s.max_prefill_tokens_while_decoding
+    if not cap or sum(len(g.waiting) for g in groups) > len(groups):
+        return 0
+    return cap if any(is_decoding(r) for g in groups for r in g.running) else 0
+
+
 def plan_group(g: Group, iteration: int, s: EngineConfig,
-               cached_tokens: Callable[[Request], int] | None = None) -> StepPlan:
+               cached_tokens: Callable[[Request], int] | None = None, cap: int = 0) -> StepPlan:
     """One group's plan: a token budget spent on decodes first (one token each), then prefill chunks of the
     running requests, oldest first, then on waiting requests, admitted only while the budget lasts (and fewer
     than `max_num_seqs` run), as vLLM's scheduler does: a request created on the ranks matches the reuse tree
@@ -165,17 +181,20 @@ def plan_group(g: Group, iteration: int, s: EngineConfig,
     cached (the rank computes at most its budget past what it reuses): `cached_tokens(req)` says it now,
     from the group's KV index (engine/placement.py), else the placement's prediction stands. A request whose
     prefix a running request is still prefilling waits for it (behind it, not in place of the requests after
-    it): admitted beside it, it would compute the same blocks again."""
+    it): admitted beside it, it would compute the same blocks again. `cap` (`prefill_cap`), when not 0, bounds
+    the step's prompt tokens."""
     plan = StepPlan(iteration, close=g.to_close)
     g.to_close = []
     g.admitted = []
     budget = s.max_num_batched_tokens
-    decodes = [r for r in g.running if r.total - r.num_computed_tokens <= 1]
-    prefills = [r for r in g.running if r.total - r.num_computed_tokens > 1]
+    decodes = [r for r in g.running if is_decoding(r)]
+    prefills = [r for r in g.running if not is_decoding(r)]
     given: dict[str, int] = {}
     for r in decodes[:budget]:
         given[r.id] = 1
     budget -= len(given)
+    if cap:
+        budget = min(budget, cap)
     for r in prefills:
         if budget <= 0:
             break
