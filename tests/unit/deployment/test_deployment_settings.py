@@ -26,7 +26,7 @@ def test_defaults_are_the_cpu_demo(monkeypatch):
     for name in Settings.model_fields:
         monkeypatch.delenv(f"KVFLEET_{name.upper()}", raising=False)
     s = parse_settings({})
-    assert (s.dp, s.tp, s.model, s.device) == (2, 1, "smollm2-135m-instruct", "auto")
+    assert (s.dp, s.tp, s.model, s.device, s.max_num_seqs) == (1, 1, "smollm2-135m-instruct", "auto", 128)
     assert s.served_model_name == "smollm2-135m-instruct"  # follows the model unless set
 
 

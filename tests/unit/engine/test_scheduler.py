@@ -3,11 +3,11 @@
 from collections import deque
 
 from deployment.settings import Settings
-from engine.scheduler import Group, Request, plan_group, prefill_cap
+from engine.scheduler import Group, Request, plan_group, prefill_cap, prefill_chunk
 from workers.sampling_params import SamplingParams
 
-CONFIG = Settings(model="random", dp=2, max_num_batched_tokens=1024,
-                  max_prefill_tokens_while_decoding=64).engine_config()
+CONFIG = Settings(model="random", dp=2, max_num_batched_tokens=1024).engine_config()
+CHUNK = 64
 
 
 def request(rid: str, prompt_len: int, decoding: bool = False) -> Request:
@@ -25,20 +25,25 @@ def test_a_new_prompt_goes_in_chunks_beside_decodes_in_any_group():
     decoding = Group(running=[request("d0", 20, decoding=True), request("d1", 30, decoding=True)])
     arriving = Group(waiting=deque([request("new", 300)]))
     groups = [arriving, decoding]
-    cap = prefill_cap(groups, CONFIG)
+    cap = prefill_cap(groups, CHUNK)
     assert cap == 64  # the decodes are in the other group: lockstep makes them wait for this one's step too
     assert scheduled(plan_group(arriving, 0, CONFIG, cap=cap)) == {"new": 64}
     assert scheduled(plan_group(decoding, 0, CONFIG, cap=cap)) == {"d0": 1, "d1": 1}  # decodes are never capped
     arriving.running[0].num_computed_tokens = 64
-    assert scheduled(plan_group(arriving, 1, CONFIG, cap=prefill_cap(groups, CONFIG))) == {"new": 64}
+    assert scheduled(plan_group(arriving, 1, CONFIG, cap=prefill_cap(groups, CHUNK))) == {"new": 64}
 
 
 def test_no_cap_without_decodes_with_a_queue_or_when_turned_off():
     idle = [Group(waiting=deque([request("a", 300)])), Group()]
-    assert prefill_cap(idle, CONFIG) == 0  # nothing decodes: the prompt takes the whole budget
+    assert prefill_cap(idle, CHUNK) == 0  # nothing decodes: the prompt takes the whole budget
     assert scheduled(plan_group(idle[0], 0, CONFIG, cap=0)) == {"a": 300}
     queued = [Group(running=[request("d", 20, decoding=True)],
                       waiting=deque(request(f"w{i}", 300) for i in range(3))), Group()]
-    assert prefill_cap(queued, CONFIG) == 0  # three waiting for two groups: throughput first
-    off = Settings(model="random", dp=2, max_prefill_tokens_while_decoding=0).engine_config()
-    assert prefill_cap([Group(running=[request("d", 20, decoding=True)]), Group()], off) == 0
+    assert prefill_cap(queued, CHUNK) == 0  # three waiting for two groups: throughput first
+    assert prefill_cap([Group(running=[request("d", 20, decoding=True)]), Group()], 0) == 0  # turned off
+
+
+def test_the_chunk_is_the_cpus_by_default_and_none_on_gpus():
+    assert prefill_chunk(-1, "cpu", simulated=False) == 64
+    assert prefill_chunk(-1, "cuda", simulated=False) == prefill_chunk(-1, "cpu", simulated=True) == 0
+    assert prefill_chunk(128, "cuda", simulated=False) == 128 and prefill_chunk(0, "cpu", simulated=False) == 0
