@@ -96,10 +96,10 @@ class Settings(BaseSettings):
         1024, ge=1, description="token budget of one engine step, per dp group (vLLM's CPU default is 2048 an engine)"
     )
     max_prefill_tokens_while_decoding: int = Field(
-        -1, ge=-1, description="while requests decode and at most one waits a dp group, a group's step prefills "
+        0, ge=0, description="while requests decode and at most one waits a dp group, a group's step prefills "
         "at most this many prompt tokens, so a new prompt does not stall the decodes of every group stepping "
-        "beside it (a longer queue gets the whole budget); 0 = always the whole budget; -1 = 64 on CPU, 0 on "
-        "GPUs and simulated ones"
+        "beside it (a longer queue gets the whole budget); 0 = always the whole budget. 64 suits a CPU "
+        "(bench/README.md)"
     )
     max_num_seqs: int = Field(128, ge=1, description="requests running at once per dp group (vLLM's CPU default)")
     max_tokens_default: int = Field(64, ge=1, description="max_tokens when a request names none")

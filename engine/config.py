@@ -47,7 +47,7 @@ class EngineConfig:
     seed: int = 0
     cache: CacheSettings = field(default_factory=CacheSettings)
     max_num_batched_tokens: int = 1024
-    max_prefill_tokens_while_decoding: int = -1
+    max_prefill_tokens_while_decoding: int = 0
     max_num_seqs: int = 128
     num_cpus_per_rank: float = 0.5
     stats_buffer_size: int = 10_000

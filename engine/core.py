@@ -104,7 +104,6 @@ class Engine(EngineLifecycle, GroupRecovery):
         self._closing = False
         self._device = self._dtype = ""
         self._cores: dict[str, int] = {}  # CPUs of each node that holds a rank (CPU, tp 1), by node id
-        self.prefill_chunk = 0  # a step's prompt tokens beside decodes (scheduler.prefill_cap), set at start
         self._wake = asyncio.Event()  # set while there may be work; cleared only when no group has any
         self._changed = asyncio.Event()  # a request arrived, finished or left since the last step began
         self._loop_task: asyncio.Task | None = None
@@ -303,7 +302,7 @@ class Engine(EngineLifecycle, GroupRecovery):
         idle = 0  # steps in a row in which nothing moved
         while True:
             await self._wake.wait()
-            cap = prefill_cap(self._groups, self.prefill_chunk)
+            cap = prefill_cap(self._groups, self.config.max_prefill_tokens_while_decoding)
             plans = [None if g.down else plan_group(g, self.iteration, self.config,
                                                     self.placement.cached_tokens, cap)
                      for g in self._groups]

@@ -14,10 +14,8 @@ import logging
 
 from engine import ranks
 from engine.errors import EngineError, EngineStopping
-from engine.scheduler import prefill_chunk
 from engine.stats_channel import StatsChannel
 from engine.transport import make_transport
-from workers.model_setting import SIMULATED_MODEL
 
 log = logging.getLogger("kvfleet.engine")
 
@@ -37,7 +35,6 @@ class EngineLifecycle:
         self.hub.publisher.start()  # ZMQ KV events: a bad endpoint fails first, named
         device = self._device = ranks.device_of(s)
         dtype = self._dtype = ranks.dtype_of(s, device)
-        self.prefill_chunk = prefill_chunk(s.max_prefill_tokens_while_decoding, device, s.model == SIMULATED_MODEL)
         # detached: the aggregator (and the cluster's cumulative statistics) outlive this engine's replica
         self.aggregator = get_or_create_aggregator(s.engine_id, self.world_size, s.tp, s.stats_buffer_size,
                                                    s.engine_resource, lifetime="detached")

@@ -160,9 +160,10 @@ def param(shape: tuple[int, ...], shard_dim: int | None) -> nn.Parameter:
 
 
 # oneDNN's matmul on a weight prepacked in its own blocked layout, for CPU fp32 batches of two rows or more:
-# SmolLM2's linears at 8-16 rows (decode batches) in 0.6-0.7x the time of torch's `linear`, the LM head in
-# 0.5x (bench/linear_bench.py); at one row it is slower, so a lone row keeps `linear`. The packed copy is made
-# on first use and doubles the weights' memory on CPU.
+# SmolLM2's linears at 8-16 rows (decode batches) took 0.6-0.7x the time of torch's `linear` alone
+# (bench/linear_bench.py), a 16-sequence decode step of the whole model 0.93x (it reads the KV cache too:
+# decode_bench.py); at one row it is slower, so a lone row keeps `linear`. The packed copy is made on first
+# use and doubles the weights' memory on CPU.
 PACK_ROWS = 16  # the batch size oneDNN chooses the packed layout for
 _MKLDNN = torch.backends.mkldnn.is_available()
 

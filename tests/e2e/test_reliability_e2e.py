@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 APP = "kvfleet-rel"
 ENGINE_ID = "rel"
-SETTINGS = {"model": "random", "engine_id": ENGINE_ID, "num_cpus_per_rank": "0.5", "max_seq_len": "256",
+SETTINGS = {"model": "random", "engine_id": ENGINE_ID, "dp": "2", "num_cpus_per_rank": "0.5", "max_seq_len": "256",
             "restart_backoff_s": "0.2",
             # a re-sent request waits this long for the new engine replica, whose start took 15-30 s on 2 shared cores
             "placement_timeout_s": "120"}

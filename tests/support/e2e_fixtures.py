@@ -15,7 +15,8 @@ import pytest
 
 E2E_APP_NAME = "kvfleet-e2e"
 # the built-in random model and its small KV cache: the e2e tests check the serving machinery, not a model
-E2E_SETTINGS = {"model": "random", "dp": "2", "num_cpus_per_rank": "0.5", "max_seq_len": "256", "max_tokens_default": "8"}
+E2E_SETTINGS = {"model": "random", "dp": "2", "num_cpus_per_rank": "0.5", "max_seq_len": "256",
+                "max_tokens_default": "8"}
 START_TIMEOUT_S = 300
 
 

@@ -3,7 +3,7 @@
 from collections import deque
 
 from deployment.settings import Settings
-from engine.scheduler import Group, Request, plan_group, prefill_cap, prefill_chunk
+from engine.scheduler import Group, Request, plan_group, prefill_cap
 from workers.sampling_params import SamplingParams
 
 CONFIG = Settings(model="random", dp=2, max_num_batched_tokens=1024).engine_config()
@@ -42,8 +42,3 @@ def test_no_cap_without_decodes_with_a_queue_or_when_turned_off():
     assert prefill_cap(queued, CHUNK) == 0  # three waiting for two groups: throughput first
     assert prefill_cap([Group(running=[request("d", 20, decoding=True)]), Group()], 0) == 0  # turned off
 
-
-def test_the_chunk_is_the_cpus_by_default_and_none_on_gpus():
-    assert prefill_chunk(-1, "cpu", simulated=False) == 64
-    assert prefill_chunk(-1, "cuda", simulated=False) == prefill_chunk(-1, "cpu", simulated=True) == 0
-    assert prefill_chunk(128, "cuda", simulated=False) == 128 and prefill_chunk(0, "cpu", simulated=False) == 0
