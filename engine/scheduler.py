@@ -164,8 +164,8 @@ def prefill_cap(groups: list[Group], chunk: int) -> int:
     lockstep, so one group's long prefill step holds every group's decodes back: while requests decode and the
     queue is short (at most one request a group waits), a prompt goes in chunks of `chunk`
     (`max_prefill_tokens_while_decoding`) and the decodes ride along (Sarathi-Serve's stall-free batching); a
-    longer queue is served for throughput, at the whole budget. Off by default: with a chunk of 64 the
-    dashboard's e2e test lost records across an ingress reconnect (bench/README.md), not yet explained."""
+    longer queue is served for throughput, at the whole budget. Off by default: it pays for dp > 1 in
+    lockstep, while at dp 1 its TPOT gain was within the noise and its TTFT loss was not (bench/README.md)."""
     if not chunk or sum(len(g.waiting) for g in groups) > len(groups):
         return 0
     return chunk if any(is_decoding(r) for g in groups for r in g.running) else 0
