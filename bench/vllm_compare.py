@@ -194,9 +194,8 @@ def main() -> None:
             {"VLLM_CPU_KVCACHE_SPACE": str(KV_GIB), "VLLM_TARGET_DEVICE": "cpu"}, f"http://127.0.0.1:{VLLM_PORT}",
             bin_dir, model, workloads, args.work)
     settings = dict(kv.split("=", 1) for kv in args.kvfleet)
-    fields = Settings.model_fields
-    ranks = int(settings.get("dp", fields["dp"].default)) * int(settings.get("tp", fields["tp"].default))  # the same
-    # KV cache in all, split over the ranks
+    fields = Settings.model_fields  # the same KV cache in all, split over the ranks
+    ranks = int(settings.get("dp", fields["dp"].default)) * int(settings.get("tp", fields["tp"].default))
     env = {"KVFLEET_MODEL": str(model), "KVFLEET_SERVED_MODEL_NAME": SERVED,
            "KVFLEET_KV_CACHE_BYTES": str(KV_GIB * 2**30 // ranks), "KVFLEET_HOST_CACHE_BYTES": "0",
            "RAY_USAGE_STATS_ENABLED": "0", **{f"KVFLEET_{k.upper()}": v for k, v in settings.items()}}
