@@ -46,13 +46,12 @@ def test_every_engine_serves_and_is_conserved(app):
             with cf.ThreadPoolExecutor(8) as pool:
                 list(pool.map(lambda i: _complete(app, i), range(served, served + 8)))
             served += 8
-        fleet, per = _mirrored(c, deadline)
+        fleet, per, merged = _mirrored(c, deadline)
         for e in ENGINES:
             assert {r["engineId"] for r in per[e]} == {e}
             assert [r["iter"] for r in per[e]] == list(range(per[e][0]["iter"], per[e][-1]["iter"] + 1))
             summed = _summed(per[e])
             assert summed == {k: fleet["engines"][e][k] for k in summed}, e  # exact, per engine
-        merged = c.get_all_stats()
         assert sorted((r["engineId"], r["iter"]) for r in merged) == \
             sorted((e, r["iter"]) for e in ENGINES for r in per[e])
         fleet_sum = _summed(merged)
@@ -63,14 +62,20 @@ def test_every_engine_serves_and_is_conserved(app):
         assert "kvfleet_fleet_kv_cache_alloc_total_blocks_total" in text
 
 
-def _mirrored(c: StatsClient, deadline: float) -> tuple[dict, dict[str, list[dict]]]:
-    """(/kv_cache_stats, each engine's records) once every record is mirrored: the requests are done when each
-    engine's cumulative stats are its newest record's (the mirror serves kv_cache_stats from its newest)."""
+def _mirrored(c: StatsClient, deadline: float) -> tuple[dict, dict[str, list[dict]], list[dict]]:
+    """(/kv_cache_stats, each engine's records, the merged stream) read as one consistent snapshot: every record
+    is mirrored (each engine's cumulative stats are its newest record's) and no record came between the reads
+    (the merged stream ends where each engine's does; the cumulative stats did not move). A record may come
+    after the last response: the step that finished a request is recorded after its tokens are sent."""
     while True:
         fleet = c.kv_cache_stats()
         per = {e: engine_records(c, e) for e in ENGINES}
-        if all(per[e] and per[e][-1]["kvCacheStats"] == fleet["engines"][e] for e in ENGINES):
-            return fleet, per
+        merged = c.get_all_stats()
+        newest = {e: max((r["iter"] for r in merged if r["engineId"] == e), default=None) for e in ENGINES}
+        if c.kv_cache_stats() == fleet and all(
+                per[e] and per[e][-1]["kvCacheStats"] == fleet["engines"][e] and per[e][-1]["iter"] == newest[e]
+                for e in ENGINES):
+            return fleet, per, merged
         assert time.monotonic() < deadline, "the mirrors never caught up"
         time.sleep(0.2)  # poll interval
 
@@ -171,7 +176,7 @@ def test_a_replica_killed_under_streaming_traffic_loses_no_request_and_the_fleet
         for e in ENGINES:
             for k in ("allocTotalBlocks", "reusedBlocks", "missedBlocks"):
                 assert after["engines"][e][k] >= before["engines"][e][k], (e, k)  # never backwards
-        fleet, per = _mirrored(c, deadline)  # conserved per engine once every record is mirrored
+        fleet, per, _ = _mirrored(c, deadline)  # conserved per engine once every record is mirrored
         for e in ENGINES:
             summed = _summed(per[e])
             assert summed == {k: fleet["engines"][e][k] for k in summed}, e
