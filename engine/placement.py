@@ -137,13 +137,12 @@ class Placement:
         return self.predicted(self._last_hits)
 
     def cached_tokens(self, req: Any) -> int:
-        """Prompt tokens the request's group holds for it now (full blocks, either tier), at least what its
-        placement predicted: what its admission will not compute. Placement guessed when the request arrived,
-        before the requests ahead of it had published the prefix they share (the plan's budget claim)."""
+        """Prompt tokens the request's group holds for it now (full blocks, either tier), by its index: not the
+        prefix placement counted on its way (`hit_tokens` does), which a request admitted now would compute."""
         if not req.block_keys or not self.hub.recording:
-            return req.hit_tokens
+            return 0
         limit = max(0, (len(req.prompt) - 1) // self.B)
-        return max(req.hit_tokens, sum(self.hub.index.prefix(req.dp, req.block_keys[:limit])) * self.B)
+        return sum(self.hub.index.prefix(req.dp, req.block_keys[:limit])) * self.B
 
     def predicted(self, blocks: int) -> int:
         table = self.reuse_table

@@ -178,11 +178,11 @@ def plan_group(g: Group, iteration: int, s: EngineConfig,
     than `max_num_seqs` run), as vLLM's scheduler does: a request created on the ranks matches the reuse tree
     then, so one that waits behind another of the same prefix finds that prefix's blocks published instead of
     prefilling it again beside it. A new request's claim on the budget is what its placement does not expect
-    cached (the rank computes at most its budget past what it reuses): `cached_tokens(req)` says it now,
-    from the group's KV index (engine/placement.py), else the placement's prediction stands. A request whose
-    prefix a running request is still prefilling waits for it (behind it, not in place of the requests after
-    it): admitted beside it, it would compute the same blocks again. `cap` (`prefill_cap`), when not 0, bounds
-    the step's prompt tokens."""
+    cached (the rank computes at most its budget past what it reuses): `cached_tokens(req)` says what the
+    group holds now, from its KV index (engine/placement.py), the placement's prediction if that is more. A
+    request whose prefix a running request is still prefilling waits for it (behind it, not in place of the
+    requests after it) until the index holds it: admitted beside it, it would compute the same blocks again.
+    `cap` (`prefill_cap`), when not 0, bounds the step's prompt tokens."""
     plan = StepPlan(iteration, close=g.to_close)
     g.to_close = []
     g.admitted = []
@@ -205,10 +205,11 @@ def plan_group(g: Group, iteration: int, s: EngineConfig,
     later: list[Request] = []
     while g.waiting and len(g.running) < s.max_num_seqs and budget > 0:
         req = g.waiting.popleft()
-        hit = cached_tokens(req) if cached_tokens is not None else req.hit_tokens
-        if shared_blocks(req.block_keys, g.running) * s.cache.tokens_per_block > hit:
+        held = cached_tokens(req) if cached_tokens is not None else 0
+        if shared_blocks(req.block_keys, g.running) * s.cache.tokens_per_block > held:
             later.append(req)  # a running request is prefilling its prefix: admitted once that is published
             continue
+        hit = max(held, req.hit_tokens)  # placement's guess came before the requests ahead published theirs
         g.admitted.append(now - req.times.queued)
         req.times.scheduled = req.times.scheduled or now
         # a re-queued request prefills what it already generated too, and its sampler goes on where it was
