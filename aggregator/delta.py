@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from functools import cache
+from operator import attrgetter
 
 import numpy as np
 
@@ -109,6 +110,17 @@ class RankDelta:
     incarnation: str
     row: np.ndarray
     blocks: BlockStats | None = None
+
+
+@cache
+def _getter(cls: type) -> attrgetter:
+    return attrgetter(*(f.name for f in fields(cls)))
+
+
+def values(obj: object) -> tuple:
+    """A flat dataclass's field values in order: `dataclasses.astuple` without its recursive deep copy (a
+    quarter of a rank's stats cost per step)."""
+    return _getter(type(obj))(obj)
 
 
 def pack(layout: RankLayout, counters, gauges, kv_stats, sched) -> np.ndarray:

@@ -14,13 +14,13 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import astuple, replace
+from dataclasses import replace
 from typing import Any
 
 import ray
 import torch
 
-from aggregator.delta import RankDelta, RankLayout, SchedulerStats, pack
+from aggregator.delta import RankDelta, RankLayout, SchedulerStats, pack, values
 from kvcache import KVCacheManager
 from kvcache.events import partial_reuse_worth, reuse_table
 from workers.loader import kv_cache_config, load_model
@@ -32,6 +32,7 @@ from workers.simulated import SimulatedModel
 from workers.step import NewRequest, RankSpec, StepPlan, StepResult, Work
 
 log = logging.getLogger("kvfleet.worker")
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -379,17 +380,17 @@ class RankWorker:
         """Drain this iteration's KV cache stats into one packed row (O(life cycles + pool groups))."""
         report = self.kv.get_iteration_stats()
         gauges = [pg.primary + pg.secondary for pg in report.pool_groups]
-        kv_stats = astuple(self.kv.get_kv_cache_stats())
+        kv_stats = values(self.kv.get_kv_cache_stats())
         if any(self.counted_from):  # an adopted rank's counters, from its adoption (KvCacheStats: 4 gauges first)
             kv_stats = kv_stats[:4] + tuple(c - b for c, b in zip(kv_stats[4:], self.counted_from, strict=True))
-        row = pack(self.layout, report.counters, gauges, kv_stats, astuple(scheduler_stats))
+        row = pack(self.layout, report.counters, gauges, kv_stats, values(scheduler_stats))
         return RankDelta(self.spec.rank, self.incarnation, row, self.kv.residency.drain())
 
     def _memory(self) -> tuple[int, int, int]:
         """(GPU, CPU resident, pinned host) bytes this rank uses: TensorRT-LLM's gpu/cpu/pinnedMemUsage."""
         gpu = torch.cuda.memory_allocated() if self.device.startswith("cuda") else 0
         with open("/proc/self/statm", "rb") as f:
-            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            rss = int(f.read().split()[1]) * PAGE_SIZE
         pinned = self.kv.config.host_cache_bytes if torch.cuda.is_available() else 0
         return gpu, rss, pinned
 
