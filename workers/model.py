@@ -30,6 +30,8 @@ from workers.paged_batch import Batch, DecodePlan, SeqView
 from workers.paged_kernels import cpu_decode_kernel
 from workers.parallel import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, Stacked, param
 
+NO_LSE = torch.empty(0)  # the kernel's `lse` where no log-sum-exp is wanted
+
 
 @dataclass
 class SeqInput:
@@ -194,8 +196,11 @@ class Attention(nn.Module):
         if self.paged_kernel and q.device.type == "cpu" and q.dtype == k_cache.dtype == torch.float32:
             kernel = cpu_decode_kernel()
             if kernel is not None:
-                out[d.rows] = kernel(q[d.rows].contiguous(), k_cache, v_cache, d.table, d.key_lo, d.key_len,
-                                     self.scale)
+                qd = q[d.rows].contiguous()
+                if d.shared is None:
+                    out[d.rows] = kernel(qd, k_cache, v_cache, d.table, d.key_lo, d.key_len, self.scale, NO_LSE)
+                else:
+                    out[d.rows] = self._cascade(qd, k_cache, v_cache, d, kernel)
                 return
         S, H, D = d.table.shape[0], self.num_kv_heads, self.head_dim
         # padding and unwritten slot memory may hold anything, NaN included: zero it, then mask it. In place on
@@ -213,6 +218,32 @@ class Attention(nn.Module):
             enable_gqa=self.num_heads != self.num_kv_heads,
         )
         out[d.rows] = o[:, :, 0, :]
+
+
+    def _cascade(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, d: DecodePlan,
+                 kernel: Any) -> torch.Tensor:
+        """Decode attention where groups of the sequences share a prefix's blocks (`d.shared`): the kernel reads
+        each sequence's own keys past its group's prefix, one flash-attention call reads each prefix once for all
+        its group's queries (a kv head's rows: every member's query heads of it), and each member's two parts are
+        merged by their log-sum-exps. The same attention, each shared key read once a step, not once a member."""
+        sp = d.shared
+        S, Hq, D = q.shape
+        Hkv, G = self.num_kv_heads, Hq // self.num_kv_heads
+        lse = torch.empty(S, Hq)
+        out = kernel(q, k_cache, v_cache, d.table, sp.suffix_lo, sp.suffix_len, self.scale, lse)
+        n, M = sp.members.shape
+        qg = q[sp.members].view(n, M, Hkv, G, D).transpose(1, 2).reshape(n, Hkv, M * G, D)
+        keys = k_cache[sp.slots].view(n, -1, Hkv, D).transpose(1, 2)  # [n, Hkv, P * B, D]
+        vals = v_cache[sp.slots].view(n, -1, Hkv, D).transpose(1, 2)
+        o, lse_p = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            qg, keys.to(q.dtype), vals.to(q.dtype), 0.0, False, attn_mask=sp.mask, scale=self.scale)
+        o = o.view(n, Hkv, M, G, D).transpose(1, 2).reshape(n, M, Hq, D)[sp.member_valid]  # [members, Hq, D]
+        lse_p = lse_p.view(n, Hkv, M, G).transpose(1, 2).reshape(n, M, Hq)[sp.member_valid]
+        lse_s = lse[sp.rows]
+        top = torch.maximum(lse_p, lse_s)
+        w_p, w_s = (lse_p - top).exp_(), (lse_s - top).exp_()
+        out[sp.rows] = (o * w_p[..., None] + out[sp.rows] * w_s[..., None]) / (w_p + w_s)[..., None]
+        return out
 
 
 class MLP(nn.Module):

@@ -13,6 +13,10 @@ from typing import Any
 
 import torch
 
+# key reads a step's shared prefixes must save before they are attended once per group (SharedPrefixes): the
+# cascade's dozen extra operators a layer cost about what the kernel takes to read ~5,000 keys (bench/README.md)
+CASCADE_MIN_KEYS = 4096
+
 
 @dataclass
 class SeqView:
@@ -50,6 +54,23 @@ class DecodePlan:
     key_len: torch.Tensor  # [S] int64
     valid: torch.Tensor  # [S, max_blocks * B] bool: key inside [key_lo, key_lo + key_len)
     invalid: tuple[torch.Tensor, torch.Tensor]  # (sequence, key) indices of the other positions
+    shared: SharedPrefixes | None = None  # prefixes several of the sequences read from the same blocks
+
+
+@dataclass
+class SharedPrefixes:
+    """Groups of decoding sequences whose first blocks are the same blocks (a prefix reused from the cache): each
+    group's prefix is attended once for all its members, their own keys past it one by one, and the two parts
+    merged by their log-sum-exps (cascade attention, as FlashInfer's for a shared prefix on GPUs). A decode step
+    then reads a prefix shared by n sequences once, not n times."""
+
+    slots: torch.Tensor  # [G, P] the blocks of each group's prefix, padded with slot 0
+    mask: torch.Tensor | None  # [G, 1, 1, P * B] 0 on the group's prefix, -inf past it; None: all are P blocks
+    members: torch.Tensor  # [G, M] each group's sequences (indices into the plan's rows), padded with the first
+    member_valid: torch.Tensor  # [G, M] bool: a real member, not padding
+    rows: torch.Tensor  # [n] every member's index, in group order (the flattened valid `members`)
+    suffix_lo: torch.Tensor  # [S] key_lo with each member's prefix left out (the kernel's part)
+    suffix_len: torch.Tensor  # [S]
 
 
 class Batch:
@@ -107,6 +128,7 @@ class Batch:
             write_offsets.append(pos % B)
             key_lo.append(lo - first_block * B)
             key_len.append(pos + 1 - lo)
+        shared = self._shared_prefixes(tables, key_lo, key_len) if window is None else None
         width = max(len(t) for t in tables)
         table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=dev)
         idx = torch.arange(width * B, device=dev)[None, :]
@@ -122,6 +144,56 @@ class Batch:
             key_len=len_t,
             valid=valid,
             invalid=torch.nonzero(~valid, as_tuple=True),
+            shared=shared,
+        )
+
+    def _shared_prefixes(self, tables: list[list[int]], key_lo: list[int],
+                         key_len: list[int]) -> SharedPrefixes | None:
+        """The groups of sequences whose tables start with the same blocks, each group's prefix the blocks all
+        its members share before the one a member writes this step; None unless attending them once saves at
+        least CASCADE_MIN_KEYS key reads (below that, its extra operators cost more than they save)."""
+        B, dev = self.block, self.device
+        by_first: dict[int, list[int]] = {}
+        for i, t in enumerate(tables):
+            by_first.setdefault(t[0], []).append(i)
+        groups: list[tuple[list[int], list[int]]] = []
+        saved = 0
+        for members in by_first.values():
+            if len(members) < 2:
+                continue
+            ref = tables[members[0]]
+            n = min(len(tables[m]) - 1 for m in members)  # never a block a member writes this step
+            for m in members[1:]:
+                t = tables[m]
+                k = 0
+                while k < n and t[k] == ref[k]:
+                    k += 1
+                n = k
+            if n and all(key_lo[m] == 0 for m in members):
+                groups.append((members, ref[:n]))
+                saved += (len(members) - 1) * n * B
+        if not groups or saved < CASCADE_MIN_KEYS:
+            return None
+        width = max(len(p) for _, p in groups)
+        most = max(len(m) for m, _ in groups)
+        lo, length = list(key_lo), list(key_len)
+        for members, prefix in groups:
+            for m in members:
+                lo[m] = len(prefix) * B
+                length[m] = key_len[m] - len(prefix) * B
+        lens = torch.tensor([len(p) * B for _, p in groups], device=dev)
+        mask = None
+        if any(len(p) != width for _, p in groups):
+            past = torch.arange(width * B, device=dev)[None, :] >= lens[:, None]
+            mask = torch.zeros(past.shape, device=dev).masked_fill(past, float("-inf"))[:, None, None, :]
+        return SharedPrefixes(
+            slots=torch.tensor([p + [0] * (width - len(p)) for _, p in groups], dtype=torch.long, device=dev),
+            mask=mask,
+            members=torch.tensor([m + [m[0]] * (most - len(m)) for m, _ in groups], dtype=torch.long, device=dev),
+            member_valid=torch.tensor([[True] * len(m) + [False] * (most - len(m)) for m, _ in groups], device=dev),
+            rows=torch.tensor([i for m, _ in groups for i in m], dtype=torch.long, device=dev),
+            suffix_lo=torch.tensor(lo, dtype=torch.long, device=dev),
+            suffix_len=torch.tensor(length, dtype=torch.long, device=dev),
         )
 
     def plan(self, s: SeqView, lc: int, window: int | None) -> AttnPlan:

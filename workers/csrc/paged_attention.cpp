@@ -100,7 +100,7 @@ inline void weighted_values(const float* w, const float* v0, const int64_t* tab,
 }  // namespace
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor table,
-                           torch::Tensor lo, torch::Tensor len, double scale) {
+                           torch::Tensor lo, torch::Tensor len, double scale, torch::Tensor lse) {
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32 &&
               v_cache.scalar_type() == torch::kFloat32, "paged_decode: float32 only");
   TORCH_CHECK(q.is_contiguous() && table.is_contiguous() && lo.is_contiguous() && len.is_contiguous(),
@@ -112,6 +112,11 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
               v_cache.stride(3) == 1 && v_cache.stride(2) == D && v_cache.stride(1) == Hkv * D,
               "paged_decode: a block's tokens must be contiguous");
   const int64_t G = Hq / Hkv, k_slot = k_cache.stride(0), v_slot = v_cache.stride(0), tok = Hkv * D;
+  // lse: [S, Hq] float32 to receive each head's log-sum-exp of its scaled scores (to merge this part of the keys
+  // with another: a shared prefix attended once for its sequences, workers/model.py), or empty for none
+  TORCH_CHECK(lse.numel() == 0 || (lse.scalar_type() == torch::kFloat32 && lse.is_contiguous() &&
+              lse.numel() == S * Hq), "paged_decode: lse must be empty or a contiguous float32 [S, Hq]");
+  float* lsep = lse.numel() ? lse.data_ptr<float>() : nullptr;
   auto out = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
   const float* kp = k_cache.data_ptr<float>();
@@ -159,6 +164,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
         float* o = op + (s * Hq + h0 * G + j) * D;
         const float inv = sum > 0.f ? 1.f / sum : 0.f;
         for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * inv;
+        if (lsep) lsep[s * Hq + h0 * G + j] = mx + std::log(sum);
       }
     }
   });

@@ -192,10 +192,60 @@ def test_decode_kernel_equals_sdpa_over_a_block_table(block, head_dim, kv_heads,
             slot, off = table[s, p // block], p % block
             k_cache[slot, off] = torch.randn(kv_heads, head_dim, generator=g)
             v_cache[slot, off] = torch.randn(kv_heads, head_dim, generator=g)
-    out = kernel(q, k_cache, v_cache, table, lo, length, head_dim**-0.5)
+    lse = torch.empty(seqs, kv_heads * group)
+    out = kernel(q, k_cache, v_cache, table, lo, length, head_dim**-0.5, lse)
+    torch.testing.assert_close(kernel(q, k_cache, v_cache, table, lo, length, head_dim**-0.5, torch.empty(0)), out)
     for s in range(seqs):
         keys = k_cache[table[s]].reshape(-1, kv_heads, head_dim)[lo[s] : lo[s] + length[s]].transpose(0, 1)
         vals = v_cache[table[s]].reshape(-1, kv_heads, head_dim)[lo[s] : lo[s] + length[s]].transpose(0, 1)
         ref = F.scaled_dot_product_attention(q[s][:, None, :], keys, vals, scale=head_dim**-0.5,
                                              enable_gqa=group > 1)[:, 0, :]
         torch.testing.assert_close(out[s], ref, atol=1e-5, rtol=1e-5)
+        scores = q[s].view(kv_heads, group, head_dim) @ keys.transpose(1, 2) * head_dim**-0.5  # [Hkv, G, L]
+        torch.testing.assert_close(lse[s], scores.logsumexp(-1).reshape(-1), atol=1e-5, rtol=1e-5)
+
+
+def test_a_shared_prefix_attended_once_per_group_gives_the_same_logits(builtin, monkeypatch):
+    """Cascade decode attention (paged_batch.SharedPrefixes): sequences reusing a prefix's blocks from the cache,
+    in two groups of different prefix lengths and beside one that shares nothing, decode step after step with
+    each group's prefix attended once and merged with each member's own keys, against every sequence read
+    whole by the kernel: the same logits. The sliding layer's sequences are never grouped (its window)."""
+    import workers.paged_batch as paged_batch
+    from workers.model import Attention
+
+    model, cfg = builtin
+    tok = load_tokenizer(None)
+    long, short = PROMPT * 2, tok.encode("Pack my box with five dozen liquor jugs. " * 2)
+    prompts = [long + [7 + i] for i in range(3)] + [short[:24] + [9 + i] for i in range(2)] + [PROMPT[5:30]]
+    cascades = []
+    original = Attention._cascade
+
+    def counted(self, *args):
+        cascades.append(len(args[3].shared.rows))
+        return original(self, *args)
+
+    monkeypatch.setattr(Attention, "_cascade", counted)
+    logits = {}
+    for cascade in (True, False):
+        monkeypatch.setattr(paged_batch, "CASCADE_MIN_KEYS", 0 if cascade else 10**9)
+        mgr = make_manager(cfg, max_seq_len=256, reuse=True)
+        kvs = []
+        for i, p in enumerate(prompts):  # one after another: each finds its group's prefix published
+            kv = mgr.create_kv_cache(f"r{i}", p)
+            assert kv.resume()
+            step(model, mgr, kv, p[kv.history_length:])
+            kvs.append(kv)
+        assert all(kvs[i].num_reused_tokens >= 24 for i in (1, 2, 4))  # their group's prefix, from the cache
+        runs = []
+        for n in range(5):
+            for kv in kvs:
+                assert kv.resize(kv.history_length + 1)
+            toks = [[(5 * n + i) % 200 + 1] for i in range(len(kvs))]
+            runs.append(torch.stack(model([SeqInput(t, kv.history_length, kv) for t, kv in zip(toks, kvs,
+                                                                                               strict=True)], mgr)))
+            for t, kv in zip(toks, kvs, strict=True):
+                kv.commit(t)
+        logits[cascade] = runs
+    assert cascades and set(cascades) == {5}  # both groups' members, every step, on the full-attention layers
+    for a, b in zip(logits[True], logits[False], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
