@@ -11,7 +11,8 @@ Modules, lowest first (those marked * import no torch, so the engine and the ing
 - `cost_model`*: what a GPU step costs (a roofline over the batch), the simulated ranks' profiles.
 - `model_setting`*: what a `model` setting names, its config checked without weights, its tokenizer.
 - `parallel`: the tp group (`torch.distributed`, NCCL or gloo, own rendezvous) and the parallel linears.
-- `paged_batch`: one forward pass's sequences and the block-table plans paged attention reads through.
+- `paged_batch`: one forward pass's sequences and the block-table plans paged attention reads through (with
+  the prefixes a decode batch shares from the cache, attended once per group: cascade attention).
 - `paged_kernels`: our CPU decode attention that reads the cache's blocks in place (`csrc/`, built on first
   use with torch's cpp_extension and cached; without a compiler the model gathers the blocks instead).
 - `model`: the decoder (Llama / Qwen2 / Qwen3 / Mistral family) with attention paged through `kvcache`.
