@@ -58,6 +58,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # torch's one kernel: the same bits as the ops below, half their time
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -135,14 +137,15 @@ class Attention(nn.Module):
         self.paged_kernel = True  # decode attention through cpu_decode_kernel where it applies (benchmarks turn it off)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Batch) -> torch.Tensor:
-        T = x.shape[0]
-        q, k, v = self.qkv_proj(x)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        T, Hq, Hkv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj.stacked(x)
+        v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
+        if self.q_norm is None:  # q and k side by side in one rope call (half the small operators a layer)
+            qk = apply_rope(qkv[:, :(Hq + Hkv) * D].view(T, Hq + Hkv, D), cos, sin)
+            q, k = qk[:, :Hq], qk[:, Hq:]
+        else:
+            q, k = qkv[:, :Hq * D].view(T, Hq, D), qkv[:, Hq * D:(Hq + Hkv) * D].view(T, Hkv, D)
+            q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
         out = self._paged_attention(q, k, v, batch)
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
 
@@ -191,16 +194,17 @@ class Attention(nn.Module):
     ) -> None:
         """One query per sequence: write its K/V, then on CPU (fp32) read every sequence's blocks in place with
         our kernel (workers/paged_kernels.py); elsewhere gather them padded for one SDPA call."""
-        k_cache[d.write_slots, d.write_offsets] = k[d.rows].to(k_cache.dtype)
-        v_cache[d.write_slots, d.write_offsets] = v[d.rows].to(v_cache.dtype)
+        rows = d.rows if d.rows.shape[0] < q.shape[0] else slice(None)  # all decodes: views, not index copies
+        k_cache[d.write_slots, d.write_offsets] = k[rows].to(k_cache.dtype)
+        v_cache[d.write_slots, d.write_offsets] = v[rows].to(v_cache.dtype)
         if self.paged_kernel and q.device.type == "cpu" and q.dtype == k_cache.dtype == torch.float32:
             kernel = cpu_decode_kernel()
             if kernel is not None:
-                qd = q[d.rows].contiguous()
+                qd = q[rows].contiguous()
                 if d.shared is None:
-                    out[d.rows] = kernel(qd, k_cache, v_cache, d.table, d.key_lo, d.key_len, self.scale, NO_LSE)
+                    out[rows] = kernel(qd, k_cache, v_cache, d.table, d.key_lo, d.key_len, self.scale, NO_LSE)
                 else:
-                    out[d.rows] = self._cascade(qd, k_cache, v_cache, d, kernel)
+                    out[rows] = self._cascade(qd, k_cache, v_cache, d, kernel)
                 return
         S, H, D = d.table.shape[0], self.num_kv_heads, self.head_dim
         # padding and unwritten slot memory may hold anything, NaN included: zero it, then mask it. In place on
@@ -210,15 +214,14 @@ class Attention(nn.Module):
         keys[d.invalid] = 0.0
         vals[d.invalid] = 0.0
         o = F.scaled_dot_product_attention(
-            q[d.rows][:, :, None, :],  # [S, Hq, 1, D]
+            q[rows][:, :, None, :],  # [S, Hq, 1, D]
             keys.transpose(1, 2),  # [S, Hkv, L, D]
             vals.transpose(1, 2),
             attn_mask=d.valid[:, None, None, :],
             scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )
-        out[d.rows] = o[:, :, 0, :]
-
+        out[rows] = o[:, :, 0, :]
 
     def _cascade(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, d: DecodePlan,
                  kernel: Any) -> torch.Tensor:

@@ -216,7 +216,11 @@ class Stacked:
         self.matmul = Matmul()
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self.matmul(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        return self.stacked(x).split(self.sizes, dim=-1)
+
+    def stacked(self, x: torch.Tensor) -> torch.Tensor:
+        """Every linear's output side by side, in their order ([..., sum of sizes])."""
+        return self.matmul(x, self.weight, self.bias)
 
 
 def _view_param(view: torch.Tensor, old: nn.Parameter) -> nn.Parameter:
