@@ -239,7 +239,7 @@ class Attention(nn.Module):
         keys = k_cache[sp.slots].view(n, -1, Hkv, D).transpose(1, 2)  # [n, Hkv, P * B, D]
         vals = v_cache[sp.slots].view(n, -1, Hkv, D).transpose(1, 2)
         o, lse_p = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            qg, keys.to(q.dtype), vals.to(q.dtype), 0.0, False, attn_mask=sp.mask, scale=self.scale)
+            qg, keys, vals, 0.0, False, attn_mask=sp.mask, scale=self.scale)  # fp32 only: the kernel's path
         o = o.view(n, Hkv, M, G, D).transpose(1, 2).reshape(n, M, Hq, D)[sp.member_valid]  # [members, Hq, D]
         lse_p = lse_p.view(n, Hkv, M, G).transpose(1, 2).reshape(n, M, Hq)[sp.member_valid]
         lse_s = lse[sp.rows]

@@ -135,6 +135,21 @@ def test_kv_cache_of_another_model_is_rejected(builtin):
         model([SeqInput([1, 2, 3], 0, kv)], mgr)
 
 
+def decode_together(model, mgr, kvs: list, steps: int, stride: int) -> list[torch.Tensor]:
+    """`steps` decode steps of every sequence in one batch (sequence i's n-th token (stride * n + i) % 200 + 1),
+    committed after each: the batch's logits per step."""
+    runs = []
+    for n in range(steps):
+        for kv in kvs:
+            assert kv.resize(kv.history_length + 1)
+        toks = [[(stride * n + i) % 200 + 1] for i in range(len(kvs))]
+        runs.append(torch.stack(model([SeqInput(t, kv.history_length, kv) for t, kv in zip(toks, kvs, strict=True)],
+                                      mgr)))
+        for t, kv in zip(toks, kvs, strict=True):
+            kv.commit(t)
+    return runs
+
+
 def test_decode_attention_in_place_equals_the_gather(builtin):
     """The CPU kernel that reads the cache's blocks in place (workers/paged_kernels.py) against the gather +
     SDPA path, on a decode batch of sequences of different lengths, one past the sliding layer's window (its
@@ -152,16 +167,7 @@ def test_decode_attention_in_place_equals_the_gather(builtin):
         kvs = [mgr.create_kv_cache(f"r{i}", p) for i, p in enumerate(prompts)]
         for kv, p in zip(kvs, prompts, strict=True):
             step(model, mgr, kv, p)
-        runs = []
-        for n in range(6):
-            for kv in kvs:
-                assert kv.resize(kv.history_length + 1)
-            toks = [[(7 * n + i) % 200 + 1] for i in range(len(kvs))]
-            runs.append(torch.stack(model([SeqInput(t, kv.history_length, kv) for t, kv in zip(toks, kvs,
-                                                                                               strict=True)], mgr)))
-            for t, kv in zip(toks, kvs, strict=True):
-                kv.commit(t)
-        logits[on] = runs
+        logits[on] = decode_together(model, mgr, kvs, 6, 7)
     for layer in model.model.layers:
         layer.self_attn.paged_kernel = True
     for a, b in zip(logits[True], logits[False], strict=True):
@@ -236,16 +242,7 @@ def test_a_shared_prefix_attended_once_per_group_gives_the_same_logits(builtin, 
             step(model, mgr, kv, p[kv.history_length:])
             kvs.append(kv)
         assert all(kvs[i].num_reused_tokens >= 24 for i in (1, 2, 4))  # their group's prefix, from the cache
-        runs = []
-        for n in range(5):
-            for kv in kvs:
-                assert kv.resize(kv.history_length + 1)
-            toks = [[(5 * n + i) % 200 + 1] for i in range(len(kvs))]
-            runs.append(torch.stack(model([SeqInput(t, kv.history_length, kv) for t, kv in zip(toks, kvs,
-                                                                                               strict=True)], mgr)))
-            for t, kv in zip(toks, kvs, strict=True):
-                kv.commit(t)
-        logits[cascade] = runs
+        logits[cascade] = decode_together(model, mgr, kvs, 5, 5)
     assert cascades and set(cascades) == {5}  # both groups' members, every step, on the full-attention layers
     for a, b in zip(logits[True], logits[False], strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
