@@ -3,7 +3,8 @@ GPU replicas (`model=simulated`) under each fleet router, and one engine of the 
 
     python bench/trace_bench.py [--trace ../shared/traces/mooncake_conversation_trace.jsonl] [--limit 600]
                                 [--replicas 8] [--scale 0.125] [--speed 24] [--speedup 0.03]
-                                [--concurrency N] [--setups kv prefix_affinity pow2 one oracle] [--set key=value ...]
+                                [--concurrency N] [--setups kv prefix_affinity pow2 one oracle ceiling]
+                                [--set key=value ...]
                                 [--out DIR]
 
 Each setup is a fresh app of `--replicas` engine replicas of dp 1 (or, `one`, a single engine of dp
@@ -17,7 +18,8 @@ in the profile's seconds (wall x speedup). The oracle (setup `oracle`) is the sa
 dp 1 holding the whole fleet's KV cache, one request at a time in trace order (its GPU at `--oracle-speedup`):
 every prompt's blocks are in one LRU cache of the fleet's size before the next prompt looks, which is what a
 router that saw the fleet's caches as one would reach, counted by the same statistics as the fleet's hit rate
-(reused / (reused + missed) blocks, partial reuse included). Prints per setup: TTFT p50/p90/p99, ITL p50,
+(reused / (reused + missed) blocks, partial reuse included); the ceiling (setup `ceiling`) is the same through
+a cache that never evicts: what no router can pass. Prints per setup: TTFT p50/p90/p99, ITL p50,
 end-to-end p50, output tokens/s, the fleet hit rate over the run, predicted/realized reuse of the routed requests
 and the requests per engine; then `kv`'s ratios to `prefix_affinity` (targets: TTFT p50 <= 0.7x, p90 <= 0.5x, hit
 rate >= 1.3x, tokens/s >= 1.1x) and each setup's hit rate against the oracle's (`kv`: within 10%). Writes each
@@ -54,14 +56,20 @@ TOKEN_BYTES = simulated_config(H100_LLAMA_8B).kv_bytes_per_token(1, 4)
 BLOCK = 16
 
 
-def setups(args: argparse.Namespace) -> dict[str, dict[str, str]]:
+def setups(args: argparse.Namespace, requests) -> dict[str, dict[str, str]]:
     fleet = {"engine_replicas": str(args.replicas), "dp": "1"}
+    alone = {"engine_replicas": "1", "dp": "1", "simulated_speedup_ratio": str(args.oracle_speedup)}
     return {"kv": {**fleet, "fleet_routing": "kv"},
             "prefix_affinity": {**fleet, "fleet_routing": "prefix_affinity"},
             "pow2": {**fleet, "fleet_routing": "pow2"},
             "one": {"engine_replicas": "1", "dp": str(args.replicas), "routing": "kv"},
-            "oracle": {"engine_replicas": "1", "dp": "1", "kv_cache_bytes": str(args.replicas * kv_bytes(args)),
-                       "simulated_speedup_ratio": str(args.oracle_speedup)}}
+            "oracle": {**alone, "kv_cache_bytes": str(args.replicas * kv_bytes(args))},
+            "ceiling": {**alone, "kv_cache_bytes": str(every_token(requests) * TOKEN_BYTES)}}
+
+
+def every_token(requests) -> int:
+    """A cache that never evicts in this replay: room for every prompt and output, a block each spare."""
+    return sum(len(r.prompt) + r.max_tokens + BLOCK for r in requests)
 
 
 def kv_bytes(args: argparse.Namespace) -> int:
@@ -83,7 +91,7 @@ async def run_setup(name: str, extra: dict, args: argparse.Namespace, requests) 
         before = stats.reuse_counts()
     t0 = time.perf_counter()
     speedup = float(settings["simulated_speedup_ratio"])
-    concurrency = 1 if name == "oracle" else args.concurrency or None
+    concurrency = 1 if name in ("oracle", "ceiling") else args.concurrency or None
     result = await replay(url, requests, speed=args.speed * speedup, concurrency=concurrency, progress=not args.quiet)
     with StatsClient(url) as stats:
         reused, missed = (a - b for a, b in zip(stats.reuse_counts(), before, strict=True))
@@ -108,7 +116,7 @@ async def main(args: argparse.Namespace) -> None:
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     common = dict(kv.split("=", 1) for kv in args.set or [])
     rows = []
-    for name, extra in setups(args).items():
+    for name, extra in setups(args, requests).items():
         if name in args.setups:
             rows.append(await run_setup(name, {**extra, **common}, args, requests))
     serve.shutdown()
@@ -124,8 +132,9 @@ async def main(args: argparse.Namespace) -> None:
               f"{r['ttft_p99_s'] * 1e3:>6.0f}ms{r['itl_p50_s'] * 1e3:>7.1f}ms{r['e2e_p50_s']:>8.2f}s"
               f"{r['output_tok_s']:>8.0f}{r['hit']:>7.1%}{r['reuse'][0]:>7}/{r['reuse'][1]:<6} {r['per_engine']}")
     by = {r["setup"]: r for r in rows}
-    if "oracle" in by:
-        print("(oracle: one request at a time through one cache of the fleet's size; only its hit rate compares)")
+    if "oracle" in by or "ceiling" in by:
+        print("(oracle: one request at a time through one cache of the fleet's size; ceiling: the same through a "
+              "cache that never evicts; only their hit rates compare)")
     if {"kv", "prefix_affinity"} <= by.keys():
         kv, pa = by["kv"], by["prefix_affinity"]
         print(f"kv / prefix_affinity: TTFT p50 {kv['ttft_p50_s'] / pa['ttft_p50_s']:.2f}x (<= 0.7), p90 "
@@ -136,6 +145,9 @@ async def main(args: argparse.Namespace) -> None:
             if name in by:
                 print(f"{name}'s hit rate: {by[name]['hit'] / max(by['oracle']['hit'], 1e-9):.2f}x the oracle's"
                       + (" (>= 0.9)" if name == "kv" else ""))
+    if {"ceiling", "prefix_affinity"} <= by.keys():
+        print(f"the ceiling's hit rate is {by['ceiling']['hit'] / max(by['prefix_affinity']['hit'], 1e-9):.2f}x "
+              "prefix_affinity's: no router reaches more")
 
 
 if __name__ == "__main__":
@@ -148,7 +160,8 @@ if __name__ == "__main__":
     ap.add_argument("--speedup", type=float, default=0.03, help="the simulated GPUs' speed (of the profile's)")
     ap.add_argument("--concurrency", type=int, default=0, help="closed loop at this many in flight instead of the "
                     "trace's times: the fleet's throughput at saturation")
-    ap.add_argument("--setups", nargs="*", default=["kv", "prefix_affinity", "pow2", "one", "oracle"])
+    ap.add_argument("--setups", nargs="*", default=["kv", "prefix_affinity", "pow2", "one", "oracle",
+                                                          "ceiling"])
     ap.add_argument("--oracle-speedup", type=float, default=4.0, help="the oracle's GPU speed (of the profile's): "
                     "it serves one request at a time, so only its hit rate counts")
     ap.add_argument("--set", nargs="*", help="settings for every setup, key=value (e.g. routing_load_weight=0.1)")

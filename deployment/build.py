@@ -56,7 +56,7 @@ def request_router(settings: Settings) -> RequestRouterConfig | None:
     if settings.fleet_policy == "kv":
         return RequestRouterConfig(request_router_class=FLEET_ROUTERS["kv"], request_router_kwargs={
             "primary_weight": settings.routing_primary_weight, "host_weight": settings.routing_host_weight,
-            "load_weight": settings.routing_load_weight, "free_weight": settings.routing_free_weight})
+            "load_weight": settings.load_weight, "free_weight": settings.routing_free_weight})
     return RequestRouterConfig(request_router_class=FLEET_ROUTERS[settings.fleet_policy])
 
 

@@ -127,6 +127,22 @@ def test_each_engine_replica_is_the_engine_of_its_serve_rank():
     assert fleet.engine_config(3).engine_id == "e-3"  # a surge replica's rank past the count still names one
 
 
+def test_the_load_weight_defaults_to_the_ranks_device_and_a_set_value_wins():
+    from deployment.build import request_router
+
+    def weights(**kw) -> tuple[float, float]:
+        s = parse_settings({"engine_replicas": 2, **kw})
+        return request_router(s).request_router_kwargs["load_weight"], s.engine_config(0).routing.load_weight
+
+    assert weights(model="random") == (0.5, 0.5)  # CPU
+    assert weights(model="random", device="cuda") == (0.1, 0.1)
+    assert weights(model="simulated") == (0.1, 0.1)  # a simulated GPU
+    assert weights(model="simulated", routing_load_weight=0.3) == (0.3, 0.3)
+    assert weights(model="random", routing_load_weight=0) == (0, 0)  # 0 is a value, not "unset"
+    with pytest.raises(ValueError, match="routing_load_weight"):
+        parse_settings({"routing_load_weight": -1})
+
+
 def test_fleet_routing_names_serves_routers():
     from deployment.build import request_router
 
