@@ -1,8 +1,8 @@
 """Routing judged by time to first token on a real trace: Mooncake's conversation trace replayed against simulated
 GPU replicas (`model=simulated`) under each fleet router, and one engine of the same total dp.
 
-    python bench/trace_bench.py [--trace ../shared/traces/mooncake_conversation_trace.jsonl] [--limit 600]
-                                [--replicas 8] [--scale 0.125] [--speed 24] [--speedup 0.03]
+    python bench/trace_bench.py [--trace ../shared/traces/mooncake_conversation_trace.jsonl] [--limit 400]
+                                [--replicas 8] [--scale 0.125] [--speed 16] [--speedup 0.03]
                                 [--concurrency N] [--setups kv prefix_affinity pow2 one oracle ceiling]
                                 [--set key=value ...]
                                 [--out DIR]
@@ -153,10 +153,10 @@ async def main(args: argparse.Namespace) -> None:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", default=str(TRACE))
-    ap.add_argument("--limit", type=int, default=600)
+    ap.add_argument("--limit", type=int, default=400)  # bench/README.md's figures
     ap.add_argument("--replicas", type=int, default=8)
     ap.add_argument("--scale", type=float, default=0.125, help="every length (and the KV cache) times this")
-    ap.add_argument("--speed", type=float, default=24.0, help="arrivals at this many times the trace's pace")
+    ap.add_argument("--speed", type=float, default=16.0, help="arrivals at this many times the trace's pace")
     ap.add_argument("--speedup", type=float, default=0.03, help="the simulated GPUs' speed (of the profile's)")
     ap.add_argument("--concurrency", type=int, default=0, help="closed loop at this many in flight instead of the "
                     "trace's times: the fleet's throughput at saturation")
