@@ -40,6 +40,7 @@ from deployment import build_app  # noqa: E402
 from deployment.clients.client import StatsClient  # noqa: E402
 from deployment.clients.trace import (  # noqa: E402
     MOONCAKE_BLOCK,
+    TraceRequest,
     read_trace,
     replay,
     summary,
@@ -54,9 +55,10 @@ TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "moon
 # the default profile's K and V a token, as a simulated rank sizes its cache (fp32 on CPU)
 TOKEN_BYTES = simulated_config(H100_LLAMA_8B).kv_bytes_per_token(1, 4)
 BLOCK = 16
+ALONE = ("oracle", "ceiling")  # one engine, one request at a time: only their hit rates compare
 
 
-def setups(args: argparse.Namespace, requests) -> dict[str, dict[str, str]]:
+def setups(args: argparse.Namespace, requests: list[TraceRequest]) -> dict[str, dict[str, str]]:
     fleet = {"engine_replicas": str(args.replicas), "dp": "1"}
     alone = {"engine_replicas": "1", "dp": "1", "simulated_speedup_ratio": str(args.oracle_speedup)}
     return {"kv": {**fleet, "fleet_routing": "kv"},
@@ -67,7 +69,7 @@ def setups(args: argparse.Namespace, requests) -> dict[str, dict[str, str]]:
             "ceiling": {**alone, "kv_cache_bytes": str(every_token(requests) * TOKEN_BYTES)}}
 
 
-def every_token(requests) -> int:
+def every_token(requests: list[TraceRequest]) -> int:
     """A cache that never evicts in this replay: room for every prompt and output, a block each spare."""
     return sum(len(r.prompt) + r.max_tokens + BLOCK for r in requests)
 
@@ -91,7 +93,7 @@ async def run_setup(name: str, extra: dict, args: argparse.Namespace, requests) 
         before = stats.reuse_counts()
     t0 = time.perf_counter()
     speedup = float(settings["simulated_speedup_ratio"])
-    concurrency = 1 if name in ("oracle", "ceiling") else args.concurrency or None
+    concurrency = 1 if name in ALONE else args.concurrency or None
     result = await replay(url, requests, speed=args.speed * speedup, concurrency=concurrency, progress=not args.quiet)
     with StatsClient(url) as stats:
         reused, missed = (a - b for a, b in zip(stats.reuse_counts(), before, strict=True))
@@ -132,7 +134,7 @@ async def main(args: argparse.Namespace) -> None:
               f"{r['ttft_p99_s'] * 1e3:>6.0f}ms{r['itl_p50_s'] * 1e3:>7.1f}ms{r['e2e_p50_s']:>8.2f}s"
               f"{r['output_tok_s']:>8.0f}{r['hit']:>7.1%}{r['reuse'][0]:>7}/{r['reuse'][1]:<6} {r['per_engine']}")
     by = {r["setup"]: r for r in rows}
-    if "oracle" in by or "ceiling" in by:
+    if by.keys() & set(ALONE):
         print("(oracle: one request at a time through one cache of the fleet's size; ceiling: the same through a "
               "cache that never evicts; only their hit rates compare)")
     if {"kv", "prefix_affinity"} <= by.keys():
