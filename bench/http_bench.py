@@ -13,6 +13,10 @@ Rows (targets of issue 12):
 - 100 `/stats/stream` subscribers of a simulated 100 records/s source (bench/stats_source.py: the real ingress,
   no engine) at `interval_ms` 0 vs 500 (issue 28): proxy + ingress CPU per record, lag p99. `--sim-only`
   runs this row alone.
+- `--token-path` (issue 37), alone: token streams from the engine to the client by `token_transport` (grpc, the
+  default, vs actor_calls), on simulated ranks (they sleep a GPU's step time, so what is measured is the CPU of
+  the token path itself): 256 requests streamed at once, 64 tokens each; CPU ms a token of the proxy, the ingress
+  and the engine, and tokens/s; the transports alternate over `--rounds`.
 
 The readers run in a process of their own (a dashboard is another client than the one generating), and on
 this shared machine they read every byte but decode only what they measure by (a poll's cursor, an event's
@@ -26,7 +30,9 @@ import asyncio
 import collections
 import contextlib
 import multiprocessing as mp
+import os
 import random
+import statistics
 import sys
 import time
 from datetime import datetime
@@ -265,12 +271,68 @@ async def simulated_rows(url: str, duration: float, subscribers: int, rate: floa
     return rows
 
 
+TOKEN_PATH_SETTINGS = {"model": "simulated", "dp": "1", "tp": "1", "num_cpus_per_rank": "0.1", "max_seq_len": "1024",
+                       "host_cache_bytes": "0"}
+
+
+async def _stream_all(url: str, prompts: list[list[int]], max_tokens: int) -> int:
+    """Every prompt at once, streamed: the tokens received."""
+    limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=len(prompts))
+    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as http:
+        async def one(prompt: list[int]) -> int:
+            body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+            n = 0
+            async with http.stream("POST", "/v1/completions", json=body) as r:
+                r.raise_for_status()
+                async for line in r.aiter_lines():
+                    n += line.startswith("data: {")
+            return n
+
+        return sum(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+def token_path_rows(serve_url: str, rounds: int, requests: int, max_tokens: int) -> list[tuple[str, dict]]:
+    """Token streams engine -> ingress -> proxy -> client by `token_transport`, on simulated ranks (they sleep a
+    GPU's step, so the token path is what the machine's CPU does): `requests` streamed at once, `max_tokens`
+    each; CPU ms a token of the proxy, ingress and engine, and tokens/s. Transports alternate by round."""
+    from ray import serve
+
+    from deployment import build_app
+
+    rng = random.Random(0)
+    got: dict[str, list[dict]] = {"grpc": [], "actor_calls": []}
+    for r in range(rounds):
+        for transport in ("grpc", "actor_calls") if r % 2 == 0 else ("actor_calls", "grpc"):
+            name = f"kvfleet-tokens-{transport}-{r}"
+            settings = {**TOKEN_PATH_SETTINGS, "engine_id": name, "token_transport": transport}
+            url = _run_app(serve_url, build_app(settings), name, f"/{name}")
+            prompts = [[rng.randrange(5, 250) for _ in range(64)] for _ in range(requests)]
+            asyncio.run(_stream_all(url, prompts[:4], 4))  # first-call costs
+            cpu0 = _cpu_times()
+            t0 = time.perf_counter()
+            tokens = asyncio.run(_stream_all(url, prompts, max_tokens))
+            elapsed = time.perf_counter() - t0
+            cpu = _cpu_since(cpu0, elapsed)
+            ms = {role: cpu[f"cpu_{role}"] / 100 * elapsed / tokens * 1e3 for role in ("proxy", "ingress", "engine")}
+            got[transport].append({**{f"{k}_ms_per_token": v for k, v in ms.items()},
+                                   "path_ms_per_token": sum(ms.values()), "tokens_per_s": tokens / elapsed})
+            serve.delete(name)
+    rows = []
+    for transport, runs in got.items():
+        med = {k: statistics.median(run[k] for run in runs) for k in runs[0]}
+        rows.append((f"token path, {transport} (median of {len(runs)})", med))
+    g, a = rows[0][1], rows[1][1]
+    rows.append(("token path, grpc / actor_calls", {"path_cpu_ratio": g["path_ms_per_token"] / a["path_ms_per_token"],
+                                                   "tokens_per_s_ratio": g["tokens_per_s"] / a["tokens_per_s"]}))
+    return rows
+
+
 def _start_serve() -> str:
     import ray
     from ray import serve
 
-    sys.path.insert(0, "tests")
-    from e2e_fixtures import free_port
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo: tests.support
+    from tests.support.e2e_fixtures import free_port
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     port = free_port()
@@ -279,8 +341,9 @@ def _start_serve() -> str:
 
 
 def _run_app(base: str, app, name: str, prefix: str) -> str:
-    from e2e_fixtures import wait_healthy
     from ray import serve
+
+    from tests.support.e2e_fixtures import wait_healthy
 
     serve.run(app, name=name, route_prefix=prefix)
     url = base + prefix.rstrip("/")
@@ -303,8 +366,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--traffic", type=int, default=2, help="concurrent background completion requests")
     p.add_argument("--sim-rate", type=float, default=100.0, help="records/s of the simulated source")
     p.add_argument("--sim-only", action="store_true", help="only the simulated source's rows (starts no engine)")
+    p.add_argument("--token-path", action="store_true",
+                   help="only the token streams' rows: `token_transport` grpc vs actor_calls on simulated ranks")
+    p.add_argument("--rounds", type=int, default=2, help="--token-path: rounds of both transports")
     a = p.parse_args(argv)
     serve_url = None if a.url else _start_serve()
+    if a.token_path:
+        if serve_url is None:
+            p.error("--token-path starts its own apps: leave --url out")
+        _print(token_path_rows(serve_url, a.rounds, 256, 64))
+        return 0
     if a.sim_only:
         from stats_source import simulated_app  # beside this script
 
@@ -314,9 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.url:
         url = a.url
     else:
-        from e2e_fixtures import E2E_SETTINGS
-
         from deployment import build_app
+        from tests.support.e2e_fixtures import E2E_SETTINGS
 
         url = _run_app(serve_url, build_app(E2E_SETTINGS), "kvfleet-bench", "/")
     app_name = None if a.url else "kvfleet-bench"

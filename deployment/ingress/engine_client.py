@@ -13,13 +13,24 @@ from engine.messages import EngineHealth, EngineInfo, GenerateRequest
 
 _ENGINE_ERRORS = (RequestError, EngineError, RequestFailed)
 
+# The token streams' handle options by `token_transport`. `grpc`: Serve's gRPC transport between deployments (the
+# handle's `_by_reference=False`, which RAY_SERVE_THROUGHPUT_OPTIMIZED turns on for every handle) with plain
+# pickle for our plain dataclasses. Every token is one streamed item, and this takes the ingress, engine and
+# proxy ~0.6x the CPU a token of Ray actor calls with cloudpickle (bench/http_bench.py `--token-path`): on a
+# CPU node that is CPU the ranks get back. A replica's death still arrives as a RayActorError
+# (ActorUnavailableError), an engine's own error as its RayTaskError, so resend.py works the same on both.
+STREAM_OPTIONS: dict[str, dict[str, Any]] = {
+    "grpc": {"_by_reference": False, "request_serialization": "pickle", "response_serialization": "pickle"},
+    "actor_calls": {},
+}
+
 
 class EngineClient:
     """The engine as the routes see it, across the engine deployment's handle: the same errors as the
     in-process Engine (never a Ray traceback), and a stream that aborts the request when it is closed."""
 
     def __init__(self, handle: DeploymentHandle, tokenizer: Any, info: EngineInfo, resend_s: float,
-                 routing: str = "pow2", engines: list[str] | None = None) -> None:
+                 routing: str = "pow2", engines: list[str] | None = None, transport: str = "grpc") -> None:
         self._h = handle
         # the fleet's engine ids (several: /kv_events needs one named); the fleet's own list under autoscaling
         self.engines = engines if engines is not None else []
@@ -29,7 +40,7 @@ class EngineClient:
             self.follower = FleetFollower(handle, fleet_view(handle.app_name, handle.deployment_name))
             self.follower.start()
         self.resend_s = resend_s  # how long a request that lost its replica waits for one to take it again
-        self._stream = handle.options(stream=True)
+        self._stream = handle.options(stream=True, **STREAM_OPTIONS[transport])
         self.tokenizer = tokenizer
         self.max_model_len = info.max_model_len
         self.max_seq_len = info.max_seq_len

@@ -39,7 +39,7 @@ class KVFleetIngress:
         # under autoscaling the fleet's own list of engine ids, which follow_members keeps current
         ids = self._stats.ids if settings.autoscaling else settings.engine_ids()
         self._engine = EngineClient(engine, load_tokenizer(settings.model or None), info,
-                                    settings.placement_timeout_s, settings.fleet_policy, ids)
+                                    settings.placement_timeout_s, settings.fleet_policy, ids, settings.token_transport)
         self._members: asyncio.Task | None = None
         if settings.autoscaling:  # engines join and leave: the fleet's registry says which (engine/registry.py)
             from engine.registry import get_registry

@@ -15,7 +15,9 @@ pytestmark = pytest.mark.slow
 
 SETTINGS = {"model": "simulated", "engine_id": "sime2e", "engine_replicas": "2", "dp": "1", "tp": "1",
             "fleet_routing": "kv", "num_cpus_per_rank": "0.1", "max_seq_len": "2048", "host_cache_bytes": "0",
-            "simulated_speedup_ratio": "1.0"}
+            "simulated_speedup_ratio": "1.0",
+            # Ray actor calls for the token streams: the other e2e apps take the default (Serve's gRPC transport)
+            "token_transport": "actor_calls"}
 
 app = module_app("kvfleet-simulated", SETTINGS, "/simulated")
 

@@ -62,8 +62,10 @@ class Handle:
         self.replicas, self.die_after, self.fail = replicas, die_after or {}, fail or {}
         self.calls: list[tuple] = []
         self.generate = self
+        self.transport: dict = {}
 
-    def options(self, stream: bool) -> "Handle":
+    def options(self, stream: bool, **transport) -> "Handle":
+        self.transport = transport
         return self
 
     def remote(self, req) -> Stream:
@@ -102,6 +104,22 @@ def test_a_request_whose_replica_dies_mid_stream_gets_the_tokens_of_a_run_withou
         assert (rid2, p2, s2.max_tokens, d2) == ("cmpl-1-resend2", PROMPT + expected[:8], 4, 8)
 
     run(main())
+
+
+@pytest.mark.parametrize("transport", ["grpc", "actor_calls"])
+def test_token_streams_go_over_the_transport_the_setting_names(transport):
+    """`token_transport`: grpc asks Serve's handle for its gRPC transport with plain pickle, actor_calls for
+    Serve's default (Ray actor calls); either way the request streams the same tokens."""
+    async def main():
+        handle = Handle([await make_engine()])
+        eng = EngineClient(handle, ByteTokenizer(), EngineInfo(256, 256, 256), 5.0, transport=transport)
+        got = await tokens(eng.generate("cmpl-1", PROMPT, SamplingParams(**GREEDY)))
+        return handle.transport, got
+
+    options, got = run(main())
+    want = {"_by_reference": False, "request_serialization": "pickle", "response_serialization": "pickle"}
+    assert options == (want if transport == "grpc" else {})
+    assert len(got) == GREEDY["max_tokens"]
 
 
 def test_an_unseeded_sampled_request_keeps_the_seed_the_ingress_picked_before_its_first_send():
@@ -237,7 +255,7 @@ def test_rays_prefix_router_reads_the_prompt_text_from_what_the_ingress_sends():
     class Capture:
         generate = None
 
-        def options(self, stream):
+        def options(self, stream, **transport):
             return self
 
         def remote(self, *args):
