@@ -15,12 +15,11 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from engine.config import EngineConfig, KVEventsConfig, RoutingConfig
+from engine.config import GPU_LOAD_WEIGHT, EngineConfig, KVEventsConfig, RoutingConfig, load_weight_for
 from workers.config import CacheSettings, Simulation
 from workers.model_setting import RANDOM_MODEL, SIMULATED_MODEL
 
 RANDOM_SERVED_NAME = "kvfleet-tiny"
-CPU_LOAD_WEIGHT, GPU_LOAD_WEIGHT = 0.5, 0.1  # `routing_load_weight` when unset (`Settings.load_weight`)
 
 
 class Settings(BaseSettings):
@@ -141,7 +140,8 @@ class Settings(BaseSettings):
     routing_host_weight: float = Field(0.5, ge=0, description="`kv` score per prompt token held on the host tier")
     routing_load_weight: float | None = Field(
         None, ge=0, description="`kv` cost per token the group still has to compute or generate; none: 0.1 where "
-        "the ranks are GPUs (`device=cuda`, `model=simulated`), 0.5 on CPU (`Settings.load_weight` says why)"
+        "the ranks are GPUs (`device=cuda`, `auto` where Ray sees GPUs, `model=simulated`), 0.5 on CPU "
+        "(`Settings.load_weight` says why)"
     )
     routing_free_weight: float = Field(
         1.0, ge=0, description="`kv` cost per token of prompt blocks beyond the group's room (free blocks less its "
@@ -253,16 +253,19 @@ class Settings(BaseSettings):
         return self.engine_replicas_max > 0
 
     @property
-    def load_weight(self) -> float:
+    def load_weight(self) -> float | None:
         """`routing_load_weight`, or its default for the ranks' device. On a CPU a queued token costs about what a
         cached one saves (the same cores prefill both), so the score weighs the two nearly alike. A GPU batches a
         queue's decodes beside a new prompt's prefill and prefills far faster than it decodes, so there a cached
         token is worth more than a queued one costs: on Mooncake's traces with simulated H100s, 0.1 reached more
-        hits and throughput than 0.5 at the same TTFTs (bench/README.md, trace_bench.py)."""
-        if self.routing_load_weight is not None:
+        hits and throughput than 0.5 at the same TTFTs (bench/README.md, trace_bench.py). None with
+        `device=auto`: the engine and the fleet's router resolve it where Ray runs, as the ranks' device is
+        (engine/config.py `load_weight_for`)."""
+        if self.model == SIMULATED_MODEL and self.routing_load_weight is None:  # simulated GPUs on any node
+            return GPU_LOAD_WEIGHT
+        if self.routing_load_weight is not None or self.device == "auto":
             return self.routing_load_weight
-        gpu = self.device == "cuda" or self.model == SIMULATED_MODEL
-        return GPU_LOAD_WEIGHT if gpu else CPU_LOAD_WEIGHT
+        return load_weight_for(None, self.device)
 
     @property
     def most_engines(self) -> int:

@@ -16,8 +16,19 @@ class RoutingConfig:
     policy: str = "kv"  # kv | least_loaded | round_robin
     primary_weight: float = 1.0
     host_weight: float = 0.5
-    load_weight: float = 0.5
+    load_weight: float | None = 0.5  # None: by the ranks' device, once the engine has resolved it (load_weight_for)
     free_weight: float = 1.0
+
+
+# `routing_load_weight` when unset, by the ranks' device (deployment/settings.py `Settings.load_weight` says why)
+CPU_LOAD_WEIGHT, GPU_LOAD_WEIGHT = 0.5, 0.1
+
+
+def load_weight_for(weight: float | None, device: str) -> float:
+    """A set load weight, or the default for ranks on `device` ("cpu" or "cuda", resolved)."""
+    if weight is not None:
+        return weight
+    return GPU_LOAD_WEIGHT if device == "cuda" else CPU_LOAD_WEIGHT
 
 
 @dataclass(frozen=True)

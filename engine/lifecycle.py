@@ -35,6 +35,7 @@ class EngineLifecycle:
         self.hub.publisher.start()  # ZMQ KV events: a bad endpoint fails first, named
         device = self._device = ranks.device_of(s)
         dtype = self._dtype = ranks.dtype_of(s, device)
+        self.placement.resolve_load_weight(device)
         # detached: the aggregator (and the cluster's cumulative statistics) outlive this engine's replica
         self.aggregator = get_or_create_aggregator(s.engine_id, self.world_size, s.tp, s.stats_buffer_size,
                                                    s.engine_resource, lifetime="detached")

@@ -25,7 +25,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from engine.config import RoutingConfig
+from engine.config import RoutingConfig, load_weight_for
 from engine.kv_hub import KVEventHub
 from engine.scheduler import shared_blocks
 
@@ -74,11 +74,16 @@ class Placement:
         self.policy = s.policy
         self.hub = hub
         self.B = hub.B
-        self.weights = (s.primary_weight, s.host_weight, s.load_weight, s.free_weight)
+        self._load_weight = s.load_weight
+        self.weights = (s.primary_weight, s.host_weight, load_weight_for(s.load_weight, "cpu"), s.free_weight)
         self.reuse_table: list[int] | None = None  # kvcache.events.reuse_table of the ranks
         self.partial_worth = 0  # kvcache.events.partial_reuse_worth of the ranks: 0 without partial reuse
         self._rr = 0
         self._last_hits = 0  # prompt blocks the last choice found on its group
+
+    def resolve_load_weight(self, device: str) -> None:
+        """An unset load weight (`device=auto`) takes the default of the ranks' device, once it is known."""
+        self.weights = (*self.weights[:2], load_weight_for(self._load_weight, device), self.weights[3])
 
     def place(self, req: Any, groups: Sequence[Any], up: list[int]) -> int:
         """Put a new (or re-queued) request's placement on it: its block keys (computed once), its dp group,

@@ -80,8 +80,13 @@ def left_by(engine_id: str, name: str) -> bool:
 
 
 def device_of(config: EngineConfig) -> str:
-    if config.device != "auto":
-        return config.device
+    return resolve_device(config.device)
+
+
+def resolve_device(device: str) -> str:
+    """`device` as the ranks get it: "auto" is cuda when Ray sees GPUs in the cluster, else cpu."""
+    if device != "auto":
+        return device
     return "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
 
 

@@ -14,13 +14,18 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from deployment.router.fleet_view import fleet_view, place, routed_of, went_to
+from engine.config import load_weight_for
+from engine.ranks import resolve_device
 
 
 class KVFleetRouter(RequestRouter):
     """No FIFOMixin: a replica chosen for one request (and the dp group written on it) must not serve another."""
 
-    def initialize_state(self, primary_weight: float = 1.0, host_weight: float = 0.5, load_weight: float = 0.5,
-                         free_weight: float = 1.0) -> None:
+    def initialize_state(self, primary_weight: float = 1.0, host_weight: float = 0.5,
+                         load_weight: float | None = None, free_weight: float = 1.0) -> None:
+        """The `kv` score's weights; an unset load weight (`device=auto`) by the device the ranks get."""
+        if load_weight is None:
+            load_weight = load_weight_for(None, resolve_device("auto"))
         self.weights = (primary_weight, host_weight, load_weight, free_weight)
         self.view = fleet_view(self._deployment_id.app_name, self._deployment_id.name)
 

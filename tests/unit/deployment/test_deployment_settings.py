@@ -134,7 +134,8 @@ def test_the_load_weight_defaults_to_the_ranks_device_and_a_set_value_wins():
         s = parse_settings({"engine_replicas": 2, **kw})
         return request_router(s).request_router_kwargs["load_weight"], s.engine_config(0).routing.load_weight
 
-    assert weights(model="random") == (0.5, 0.5)  # CPU
+    assert weights(model="random", device="cpu") == (0.5, 0.5)
+    assert weights(model="random") == (None, None)  # device=auto: resolved where Ray runs, as the device is
     assert weights(model="random", device="cuda") == (0.1, 0.1)
     assert weights(model="simulated") == (0.1, 0.1)  # a simulated GPU
     assert weights(model="simulated", routing_load_weight=0.3) == (0.3, 0.3)
@@ -152,7 +153,7 @@ def test_fleet_routing_names_serves_routers():
     assert prefix.request_router_class.endswith("prefix_aware_router:PrefixCacheAffinityRouter")
     kv = request_router(parse_settings({"model": "random", "engine_replicas": 2}))  # the default with a fleet
     assert kv.request_router_class == "deployment.router.request_router:KVFleetRouter"
-    assert kv.request_router_kwargs["load_weight"] == 0.5
+    assert kv.request_router_kwargs["load_weight"] is None  # device=auto: the router resolves it where it runs
     # one replica: nothing to pick, so no router of ours and no KV stream followed, whatever the setting
     assert request_router(parse_settings({"model": "random", "fleet_routing": "prefix_affinity"})) is None
     assert parse_settings({"model": "random", "engine_replicas": 2}).engine_config(0).kv_events.always

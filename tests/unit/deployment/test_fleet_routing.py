@@ -243,7 +243,7 @@ def test_the_router_serve_ships_by_value_shares_the_ingress_view_and_routed_clas
         "g = cls.choose_replicas.__globals__\n"
         "assert g['routed_of'] is f.routed_of and g['place'] is f.place, 'copies'\n"
         "r = object.__new__(cls); r._deployment_id = type('D', (), {'app_name': 'a', 'name': 'd'})()\n"
-        "r.initialize_state(); assert r.view is f.fleet_view('a', 'd')\n")
+        "r.initialize_state(load_weight=0.5); assert r.view is f.fleet_view('a', 'd')\n")
     done = subprocess.run([sys.executable, "-c", check], input=blob, capture_output=True, timeout=120)
     assert done.returncode == 0, done.stderr.decode()[-2000:]
 

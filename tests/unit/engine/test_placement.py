@@ -53,6 +53,21 @@ def test_kv_picks_the_group_holding_the_prefix_until_its_load_outweighs_it():
     assert r.choose(keys, len(PROMPT), groups, [1])[0] == 1  # only the groups that are up
 
 
+def test_an_unset_load_weight_takes_the_ranks_device_once_the_engine_knows_it():
+    """device=auto: the weight waits for the device the engine resolves at start (engine/lifecycle.py); a set
+    weight, 0 included, stays whatever the device."""
+    r = placement()
+    assert r.weights[2] == 0.5  # before start: the CPU default
+    r.resolve_load_weight("cuda")
+    assert r.weights[2] == 0.1
+    r.resolve_load_weight("cpu")
+    assert r.weights[2] == 0.5
+    for weight in (0.3, 0.0):
+        kept = placement(routing_load_weight=weight)
+        kept.resolve_load_weight("cuda")
+        assert kept.weights == (1.0, 0.5, weight, 1.0)
+
+
 def test_primary_is_worth_more_than_host_and_a_gap_ends_the_prefix():
     r = placement()
     keys = prompt_keys(PROMPT, B)
