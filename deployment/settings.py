@@ -185,7 +185,7 @@ class Settings(BaseSettings):
         "(below 1, slower: a large fleet's control plane then fits on few cores)")
     token_transport: Literal["grpc", "actor_calls"] = Field(
         "grpc", description="how token streams go from an engine replica to the ingress: Serve's gRPC transport "
-        "between deployments (plain pickle; ~0.6x the CPU a token, bench/http_bench.py `--token-path`) or Ray "
+        "between deployments (plain pickle; 0.67x the CPU a token, bench/http_bench.py `--token-path`) or Ray "
         "actor calls (Serve's default: for a cluster where the replicas' gRPC ports cannot be reached)")
     step_transport: Literal["compiled_graph", "actor_calls"] = Field(
         "actor_calls", description="how the engine steps its ranks: one actor call per rank, or one Ray "

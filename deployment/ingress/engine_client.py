@@ -16,7 +16,7 @@ _ENGINE_ERRORS = (RequestError, EngineError, RequestFailed)
 # The token streams' handle options by `token_transport`. `grpc`: Serve's gRPC transport between deployments (the
 # handle's `_by_reference=False`, which RAY_SERVE_THROUGHPUT_OPTIMIZED turns on for every handle) with plain
 # pickle for our plain dataclasses. Every token is one streamed item, and this takes the ingress, engine and
-# proxy ~0.6x the CPU a token of Ray actor calls with cloudpickle (bench/http_bench.py `--token-path`): on a
+# proxy 0.67x the CPU a token of Ray actor calls with cloudpickle (bench/http_bench.py `--token-path`): on a
 # CPU node that is CPU the ranks get back. A replica's death still arrives as a RayActorError
 # (ActorUnavailableError), an engine's own error as its RayTaskError, so resend.py works the same on both.
 STREAM_OPTIONS: dict[str, dict[str, Any]] = {
