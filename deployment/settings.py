@@ -261,10 +261,12 @@ class Settings(BaseSettings):
         hits and throughput than 0.5 at the same TTFTs (bench/README.md, trace_bench.py). None with
         `device=auto`: the engine and the fleet's router resolve it where Ray runs, as the ranks' device is
         (engine/config.py `load_weight_for`)."""
-        if self.model == SIMULATED_MODEL and self.routing_load_weight is None:  # simulated GPUs on any node
-            return GPU_LOAD_WEIGHT
-        if self.routing_load_weight is not None or self.device == "auto":
+        if self.routing_load_weight is not None:
             return self.routing_load_weight
+        if self.model == SIMULATED_MODEL:  # simulated GPUs, on whatever node
+            return GPU_LOAD_WEIGHT
+        if self.device == "auto":
+            return None
         return load_weight_for(None, self.device)
 
     @property
