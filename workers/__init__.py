@@ -13,8 +13,9 @@ Modules, lowest first (those marked * import no torch, so the engine and the ing
 - `parallel`: the tp group (`torch.distributed`, NCCL or gloo, own rendezvous) and the parallel linears.
 - `paged_batch`: one forward pass's sequences and the block-table plans paged attention reads through (with
   the prefixes a decode batch shares from the cache, attended once per group: cascade attention).
-- `paged_kernels`: our CPU decode attention that reads the cache's blocks in place (`csrc/`, built on first
-  use with torch's cpp_extension and cached; without a compiler the model gathers the blocks instead).
+- `cpu_kernels`: our CPU kernels (`csrc/`, built with torch's cpp_extension and cached; without a compiler
+  the model runs torch's operators): decode attention that reads the cache's blocks in place, and a forward
+  pass's small operators fused (norm + residual add, rope, silu * up) with the matmul of a lone row.
 - `model`: the decoder (Llama / Qwen2 / Qwen3 / Mistral family) with attention paged through `kvcache`.
 - `simulated`: the simulated model (`model=simulated`, docs/simulation.md): sleeps a step's cost, emits a
   hash of the sequence.

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.config import ModelConfig
+from workers.cpu_kernels import cpu_decode_kernel, cpu_ops_for
 from workers.paged_batch import Batch, DecodePlan, SeqView
-from workers.paged_kernels import cpu_decode_kernel
 from workers.parallel import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, Stacked, param
 
 NO_LSE = torch.empty(0)  # the kernel's `lse` where no log-sum-exp is wanted
@@ -58,11 +58,24 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = cpu_ops_for(x)
+        if ops is not None:
+            return ops.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:  # torch's one kernel: the same bits as the ops below, half their time
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add before this norm and the norm, in one pass where the fused operator applies (it
+        writes both in place): (norm of the sum, the sum)."""
+        ops = cpu_ops_for(x)
+        if ops is not None and residual.is_contiguous():
+            ops.add_rms_norm_(x, residual, self.weight, self.eps)
+            return x, residual
+        residual = residual + x
+        return self(residual), residual
 
 
 class Rotary(nn.Module):
@@ -140,7 +153,11 @@ class Attention(nn.Module):
         T, Hq, Hkv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj.stacked(x)
         v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
-        if self.q_norm is None:  # q and k side by side in one rope call (half the small operators a layer)
+        ops = cpu_ops_for(qkv) if self.q_norm is None else None
+        if ops is not None:  # q and k rotated in place, in one operator
+            ops.rope_(qkv, Hq + Hkv, D, cos, sin)
+            q, k = qkv[:, :Hq * D].view(T, Hq, D), qkv[:, Hq * D:(Hq + Hkv) * D].view(T, Hkv, D)
+        elif self.q_norm is None:  # q and k side by side in one rope call (half the small operators a layer)
             qk = apply_rope(qkv[:, :(Hq + Hkv) * D].view(T, Hq + Hkv, D), cos, sin)
             q, k = qk[:, :Hq], qk[:, Hq:]
         else:
@@ -193,7 +210,7 @@ class Attention(nn.Module):
         out: torch.Tensor,
     ) -> None:
         """One query per sequence: write its K/V, then on CPU (fp32) read every sequence's blocks in place with
-        our kernel (workers/paged_kernels.py); elsewhere gather them padded for one SDPA call."""
+        our kernel (workers/cpu_kernels.py); elsewhere gather them padded for one SDPA call."""
         rows = d.rows if d.rows.shape[0] < q.shape[0] else slice(None)  # all decodes: views, not index copies
         k_cache[d.write_slots, d.write_offsets] = k[rows].to(k_cache.dtype)
         v_cache[d.write_slots, d.write_offsets] = v[rows].to(v_cache.dtype)
@@ -258,9 +275,14 @@ class MLP(nn.Module):
         self.gate_up_proj = Stacked(self.gate_proj, self.up_proj)
         self.down_proj = RowParallelLinear(i, h, b, tp_rank, tp_size, group)
         self.act = _ACTIVATIONS[cfg.hidden_act]
+        self.silu = cfg.hidden_act == "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x)
+        gate_up = self.gate_up_proj.stacked(x)
+        ops = cpu_ops_for(gate_up) if self.silu else None
+        if ops is not None:
+            return self.down_proj(ops.silu_mul(gate_up))
+        gate, up = gate_up.split(self.gate_up_proj.sizes, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -272,9 +294,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp_rank, tp_size, group)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Batch) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the last layer's MLP output, whose residual add waits for this layer's first norm (one fused
+        pass, as vLLM's layers do), or the embeddings with `residual` None. Returns this layer's MLP output
+        and the residual stream before it."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm.add(x, residual)
+        x, residual = self.post_attention_layernorm.add(self.self_attn(x, cos, sin, batch), residual)
+        return self.mlp(x), residual
 
 
 class Embedding(nn.Module):
@@ -389,14 +419,15 @@ class Model(nn.Module):
         ids = torch.tensor(flat, dtype=torch.long, device=dev)
         positions = torch.cat([v.positions for v in views])
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
-        h = self.model.embed_tokens(ids)
+        h, residual = self.model.embed_tokens(ids), None
         for layer in self.model.layers:
-            h = layer(h, cos, sin, batch)
+            h, residual = layer(h, residual, cos, sin, batch)
 
         rows: list[int] = []
         for s, v in zip(seqs, views, strict=True):
             rows.extend(range(v.offset, v.offset + v.n) if s.all_logits else [v.offset + v.n - 1])
-        logits = self.lm_head(self.model.norm(h[torch.tensor(rows, device=dev)])).float()
+        at = torch.tensor(rows, device=dev)
+        logits = self.lm_head(self.model.norm.add(h[at], residual[at])[0]).float()
         out: list[torch.Tensor] = []
         r = 0
         for s, v in zip(seqs, views, strict=True):

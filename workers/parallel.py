@@ -22,6 +22,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from workers.cpu_kernels import cpu_ops_for
+
 log = logging.getLogger("kvfleet.worker")
 
 
@@ -162,8 +164,9 @@ def param(shape: tuple[int, ...], shard_dim: int | None) -> nn.Parameter:
 # oneDNN's matmul on a weight prepacked in its own blocked layout, for CPU fp32 batches of two rows or more:
 # SmolLM2's linears at 8-16 rows (decode batches) took 0.6-0.7x the time of torch's `linear` alone
 # (bench/linear_bench.py), a 16-sequence decode step of the whole model 0.93x (it reads the KV cache too:
-# decode_bench.py); at one row it is slower, so a lone row keeps `linear`. The packed copy is made on first
-# use and doubles the weights' memory on CPU.
+# decode_bench.py). At one row it is slower on one thread (1.13x) but not on more: torch's `linear` runs a lone
+# row on one thread, oneDNN splits it (0.63x on two, linear_bench.py --rows 1 --threads 2), so a lone row keeps
+# `linear` only on one thread. The packed copy is made on first use and doubles the weights' memory on CPU.
 PACK_ROWS = 16  # the batch size oneDNN chooses the packed layout for
 _MKLDNN = torch.backends.mkldnn.is_available()
 
@@ -175,7 +178,13 @@ class Matmul:
         self._packed: tuple[tuple[int, int], torch.Tensor] | None = None  # (W's identity, W prepacked)
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if not (_MKLDNN and x.shape[0] > 1 and w.device.type == "cpu" and w.dtype == torch.float32):
+        if not (w.device.type == "cpu" and w.dtype == torch.float32 and x.dtype == torch.float32):
+            return F.linear(x, w, bias)
+        if x.shape[0] == 1 and w.is_contiguous():
+            ops = cpu_ops_for(x)
+            if ops is not None:  # a lone row: our kernel reads the weight at the memory's speed
+                return ops.linear_row(x, w, bias)
+        if not (_MKLDNN and (x.shape[0] > 1 or torch.get_num_threads() > 1)):
             return F.linear(x, w, bias)
         key = (w.data_ptr(), w._version)  # weights loaded or tied after the copy was made invalidate it
         if self._packed is None or self._packed[0] != key:

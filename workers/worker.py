@@ -23,9 +23,9 @@ import torch
 from aggregator.delta import RankDelta, RankLayout, SchedulerStats, pack, values
 from kvcache import KVCacheManager
 from kvcache.events import partial_reuse_worth, reuse_table
+from workers.cpu_kernels import build_all
 from workers.loader import kv_cache_config, load_model
 from workers.model import SeqInput
-from workers.paged_kernels import cpu_decode_kernel
 from workers.parallel import TPGroup, free_port, group_min, init_tp_group, node_ip, set_cpu_threads
 from workers.sampling import make_generator, sample
 from workers.simulated import SimulatedModel
@@ -132,7 +132,7 @@ class RankWorker:
                 hi = mid - 1
         self.max_request_tokens, self.vocab_size = lo, cfg.vocab_size
         if self.device == "cpu" and not isinstance(self.model, SimulatedModel):
-            cpu_decode_kernel()  # built (or loaded from the cache) here, not in the first request's step
+            build_all()  # built (or loaded from the cache) here, not in the first request's step
         log.info("rank %d (dp %d, tp %d) ready on %s: %d primary blocks, requests up to %d tokens",
                  s.rank, s.dp_rank, s.tp_rank, self.device, self.kv.get_kv_cache_stats().max_num_blocks, lo)
         return self._info()

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers import parallel
+from workers import cpu_kernels, parallel
 from workers.parallel import ColumnParallelLinear, ReplicatedLinear, Stacked
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
@@ -26,9 +26,34 @@ def test_a_batch_goes_through_the_packed_weight_and_matches_linear():
         y = layer(x)
     assert layer.matmul._packed is not None  # the batch took the packed path
     torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias), atol=1e-4, rtol=1e-5)
+
+
+def test_a_lone_row_takes_our_row_kernel_and_matches_linear():
+    assert cpu_kernels.cpu_ops() is not None, "csrc/cpu_ops.cpp did not build (see the log)"
+    layer = filled(ColumnParallelLinear(67, 99, bias=True), 0)  # neither a multiple of the kernel's 8 or 4
+    x = torch.randn(1, 67, generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
-        one = layer(x[:1])
-    assert torch.equal(one, F.linear(x[:1], layer.weight, layer.bias))  # a lone row: torch's linear
+        y = layer(x)
+    assert layer.matmul._packed is None  # not oneDNN's copy: the kernel reads the weight itself
+    torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias), atol=1e-4, rtol=1e-5)
+
+
+def test_without_our_kernel_a_lone_row_takes_linear_on_one_thread_and_onednn_on_more(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "USE_CPU_OPS", False)
+    layer = filled(ColumnParallelLinear(64, 96, bias=True), 0)
+    x = torch.randn(1, 64)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        with torch.inference_mode():
+            assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+        assert layer.matmul._packed is None
+        torch.set_num_threads(2)
+        with torch.inference_mode():
+            torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-4, rtol=1e-5)
+        assert layer.matmul._packed is not None
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_weights_loaded_or_tied_after_packing_are_the_ones_used():
@@ -44,12 +69,13 @@ def test_weights_loaded_or_tied_after_packing_are_the_ones_used():
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight), atol=1e-4, rtol=1e-5)
 
 
-def test_without_onednn_every_batch_takes_torchs_linear(monkeypatch):
+def test_without_onednn_or_our_kernel_every_batch_takes_torchs_linear(monkeypatch):
     monkeypatch.setattr(parallel, "_MKLDNN", False)
+    monkeypatch.setattr(cpu_kernels, "USE_CPU_OPS", False)
     layer = filled(ColumnParallelLinear(16, 8, bias=False), 4)
-    x = torch.randn(3, 16)
-    with torch.inference_mode():
-        assert torch.equal(layer(x), F.linear(x, layer.weight))
+    for x in (torch.randn(3, 16), torch.randn(1, 16)):
+        with torch.inference_mode():
+            assert torch.equal(layer(x), F.linear(x, layer.weight))
     assert layer.matmul._packed is None
 
 

@@ -151,10 +151,10 @@ def decode_together(model, mgr, kvs: list, steps: int, stride: int) -> list[torc
 
 
 def test_decode_attention_in_place_equals_the_gather(builtin):
-    """The CPU kernel that reads the cache's blocks in place (workers/paged_kernels.py) against the gather +
+    """The CPU kernel that reads the cache's blocks in place (workers/cpu_kernels.py) against the gather +
     SDPA path, on a decode batch of sequences of different lengths, one past the sliding layer's window (its
     first blocks stale): the same logits, step after step. The kernel must build here (CI has a compiler)."""
-    from workers.paged_kernels import cpu_decode_kernel
+    from workers.cpu_kernels import cpu_decode_kernel
 
     assert cpu_decode_kernel() is not None
     model, cfg = builtin
@@ -180,7 +180,7 @@ def test_decode_kernel_equals_sdpa_over_a_block_table(block, head_dim, kv_heads,
     """The kernel alone, on the shapes its fast paths take and those they leave to the plain loop (16-key tiles
     need a block of a multiple of 16 tokens; registers hold a head of 64 or 128): each sequence's keys from a
     first position inside its first block, its blocks scattered over a cache whose free slots hold NaN."""
-    from workers.paged_kernels import cpu_decode_kernel
+    from workers.cpu_kernels import cpu_decode_kernel
 
     kernel = cpu_decode_kernel()
     assert kernel is not None

@@ -1,0 +1,72 @@
+"""csrc/cpu_ops.cpp against the torch operators it replaces: the elementwise ones to the bit (it is built
+without fused multiply-adds), the reductions to fp32's rounding; and the whole model with them on or off."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from workers import cpu_kernels
+from workers.model import apply_rope
+
+ops = cpu_kernels.cpu_ops()
+pytestmark = pytest.mark.skipif(ops is None, reason="no C++ compiler: the model runs torch's operators")
+
+
+def rand(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("rows", [1, 300])  # inline on the calling thread, and split over the threads
+def test_rms_norm_and_its_fused_residual_add_match_torch(rows):
+    x, res, w = rand(rows, 70), rand(rows, 70, seed=1), rand(70, seed=2)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-6), F.rms_norm(x, (70,), w, 1e-6), atol=2e-6, rtol=1e-6)
+    xs, rs = x.clone(), res.clone()
+    ops.add_rms_norm_(xs, rs, w, 1e-6)
+    assert torch.equal(rs, res + x)  # the residual stream to the bit
+    torch.testing.assert_close(xs, F.rms_norm(res + x, (70,), w, 1e-6), atol=2e-6, rtol=1e-6)
+
+
+def test_rope_rotates_the_heads_it_is_given_in_place_to_the_bit():
+    T, D, heads = 5, 8, 3
+    qkv = rand(T, (heads + 2) * D)  # q and k: the first three heads; v after them stays as it was
+    cos, sin = rand(T, D, seed=1), rand(T, D, seed=2)
+    want = apply_rope(qkv[:, :heads * D].view(T, heads, D), cos, sin).reshape(T, heads * D)
+    v = qkv[:, heads * D:].clone()
+    ops.rope_(qkv, heads, D, cos, sin)
+    assert torch.equal(qkv[:, :heads * D], want)
+    assert torch.equal(qkv[:, heads * D:], v)
+
+
+def test_silu_mul_matches_torch():
+    gu = rand(4, 2 * 50)
+    torch.testing.assert_close(ops.silu_mul(gu), F.silu(gu[:, :50]) * gu[:, 50:], atol=1e-6, rtol=1e-6)
+
+
+def test_bad_input_is_refused_with_the_operator_named():
+    with pytest.raises(RuntimeError, match="rms_norm: a CPU float32"):
+        ops.rms_norm(rand(2, 8).double(), rand(8), 1e-6)
+    with pytest.raises(RuntimeError, match="rope_: 3 heads of 8 do not fit"):
+        ops.rope_(rand(2, 16), 3, 8, rand(2, 8), rand(2, 8))
+    with pytest.raises(RuntimeError, match="linear_row: x \\[1, in\\]"):
+        ops.linear_row(rand(2, 8), rand(4, 8), None)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])  # rope fused, and rope after q/k norms (torch's)
+def test_the_model_gives_the_same_greedy_tokens_and_logits_with_the_fused_operators_or_without(
+        kind, tmp_path, monkeypatch):
+    from tests.support.model_support import greedy, make_manager, save_hf_model, teacher_forced_logits
+    from workers.loader import load_model
+
+    save_hf_model(kind, tmp_path)
+    model, cfg = load_model(str(tmp_path), max_seq_len=128)
+    prompt = [(7 * i + 3) % cfg.vocab_size for i in range(21)]
+
+    def run() -> tuple[list[int], torch.Tensor]:  # prefill in two chunks, then lone rows
+        return (greedy(model, make_manager(cfg), prompt, 12, chunk=8),
+                teacher_forced_logits(model, make_manager(cfg), prompt, [8, 8]))
+
+    fused = run()
+    monkeypatch.setattr(cpu_kernels, "USE_CPU_OPS", False)
+    plain = run()
+    assert fused[0] == plain[0]
+    torch.testing.assert_close(fused[1], plain[1], atol=1e-4, rtol=1e-4)

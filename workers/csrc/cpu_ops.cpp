@@ -1,0 +1,167 @@
+// The small operators of a CPU fp32 forward pass, fused: each replaces several torch operators, whose
+// dispatch and per-operator overhead was most of a lone sequence's decode step outside its matmuls
+// (bench/README.md, decode_bench.py), and a matmul of one row that reads the weight at the memory's speed.
+//
+// Built with -ffp-contract=off: the elementwise operators (the residual add, rope, silu * up) then round
+// as torch's eager ones do (a product, then a sum); only the reductions (rms_norm's mean of squares, a row's
+// dot products) sum in another order than torch's.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// rows per task: a decode step's few rows run inline on the calling thread (no parallel region to open)
+int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, row_elems)); }
+
+void check_rows(const torch::Tensor& x, const char* name) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1,
+              name, ": a CPU float32 [rows, n] tensor with contiguous rows is needed");
+}
+
+void norm_row(const float* in, const float* w, float eps, int64_t n, float* out) {
+  double ss = 0.0;
+  for (int64_t i = 0; i < n; ++i) ss += double(in[i]) * double(in[i]);
+  const float r = 1.0f / std::sqrt(float(ss / double(n)) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (in[i] * r);
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_hadd_ps(s, s);
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+// y[r] = w[r, :] . x for rows [r0, r1): four weight rows at a time, each read once, in order
+void dot_rows(const float* x, const float* w, int64_t n, int64_t r0, int64_t r1, float* y) {
+  int64_t r = r0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const int64_t n8 = n - n % 8;
+  for (; r + 4 <= r1; r += 4) {
+    const float* w0 = w + r * n;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t c = 0; c < n8; c += 8) {
+      const __m256 xc = _mm256_loadu_ps(x + c);
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + c), xc, a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + n + c), xc, a1);
+      a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + 2 * n + c), xc, a2);
+      a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + 3 * n + c), xc, a3);
+    }
+    float s[4] = {hsum(a0), hsum(a1), hsum(a2), hsum(a3)};
+    for (int64_t c = n8; c < n; ++c)
+      for (int k = 0; k < 4; ++k) s[k] += w0[k * n + c] * x[c];
+    for (int k = 0; k < 4; ++k) y[r + k] = s[k];
+  }
+#endif
+  for (; r < r1; ++r) {
+    float s = 0.f;
+    const float* wr = w + r * n;
+#pragma omp simd reduction(+ : s)
+    for (int64_t c = 0; c < n; ++c) s += wr[c] * x[c];
+    y[r] = s;
+  }
+}
+
+}  // namespace
+
+// x [1, in] @ w[out, in]^T (+ bias): one row, split by output rows over the threads
+torch::Tensor linear_row(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  check_rows(x, "linear_row");
+  TORCH_CHECK(x.size(0) == 1 && w.scalar_type() == torch::kFloat32 && w.is_contiguous() && w.dim() == 2 &&
+                  w.size(1) == x.size(1),
+              "linear_row: x [1, in] and a contiguous float32 w [out, in] are needed");
+  const int64_t out_f = w.size(0), in_f = w.size(1);
+  auto y = torch::empty({1, out_f}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, (out_f + 3) / 4, 64, [&](int64_t b, int64_t e) {
+    dot_rows(xp, wp, in_f, b * 4, std::min(out_f, e * 4), yp);
+  });
+  if (bias.has_value() && bias->defined()) y.add_(*bias);
+  return y;
+}
+
+// RMSNorm of each row, times the weight (transformers' Llama/Qwen RMSNorm in fp32)
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  check_rows(x, "rms_norm");
+  const int64_t rows = x.size(0), n = x.size(1);
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == n, "rms_norm: weight must be [", n, "]");
+  auto out = torch::empty({rows, n}, x.options());
+  const float* w = weight.data_ptr<float>();
+  at::parallel_for(0, rows, grain(n), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r)
+      norm_row(x.data_ptr<float>() + r * x.stride(0), w, float(eps), n, out.data_ptr<float>() + r * n);
+  });
+  return out;
+}
+
+// residual += x, then x = rms_norm(residual) * weight, both in place: a layer's residual add and the next
+// norm in one pass (vLLM's fused_add_rms_norm)
+void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+  check_rows(x, "add_rms_norm_");
+  check_rows(residual, "add_rms_norm_");
+  const int64_t rows = x.size(0), n = x.size(1);
+  TORCH_CHECK(residual.size(0) == rows && residual.size(1) == n && weight.is_contiguous() && weight.numel() == n,
+              "add_rms_norm_: x, residual [rows, n] and weight [n] are needed");
+  const float* w = weight.data_ptr<float>();
+  at::parallel_for(0, rows, grain(n), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      float* xr = x.data_ptr<float>() + r * x.stride(0);
+      float* hr = residual.data_ptr<float>() + r * residual.stride(0);
+      for (int64_t i = 0; i < n; ++i) hr[i] = xr[i] + hr[i];
+      norm_row(hr, w, float(eps), n, xr);
+    }
+  });
+}
+
+// rotate-half rope in place on the first `heads` heads of each row of qkv [T, >= heads * D]:
+// x * cos + rotate_half(x) * sin, with cos, sin [T, D]
+void rope_(torch::Tensor qkv, int64_t heads, int64_t D, torch::Tensor cos, torch::Tensor sin) {
+  check_rows(qkv, "rope_");
+  const int64_t T = qkv.size(0), half = D / 2;
+  TORCH_CHECK(D % 2 == 0 && heads * D <= qkv.size(1), "rope_: ", heads, " heads of ", D, " do not fit a row");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == torch::kFloat32 &&
+                  sin.scalar_type() == torch::kFloat32 && cos.size(0) == T && cos.size(1) == D &&
+                  sin.sizes() == cos.sizes(),
+              "rope_: cos and sin must be contiguous float32 [T, D]");
+  at::parallel_for(0, T, grain(heads * D), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const float* c = cos.data_ptr<float>() + t * D;
+      const float* s = sin.data_ptr<float>() + t * D;
+      float* row = qkv.data_ptr<float>() + t * qkv.stride(0);
+      for (int64_t h = 0; h < heads; ++h) {
+        float* x = row + h * D;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = x[i], x2 = x[i + half];
+          x[i] = x1 * c[i] + -x2 * s[i];
+          x[i + half] = x2 * c[i + half] + x1 * s[i + half];
+        }
+      }
+    }
+  });
+}
+
+// silu(gate) * up of gate_up [T, 2I] (gate's I columns, then up's): [T, I]
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  check_rows(gate_up, "silu_mul");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  TORCH_CHECK(gate_up.size(1) == 2 * I, "silu_mul: gate_up needs an even number of columns");
+  auto out = torch::empty({T, I}, gate_up.options());
+  at::parallel_for(0, T, grain(I), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const float* g = gate_up.data_ptr<float>() + t * gate_up.stride(0);
+      const float* u = g + I;
+      float* o = out.data_ptr<float>() + t * I;
+      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+    }
+  });
+  return out;
+}
