@@ -288,13 +288,17 @@ class ReplicatedLinear(Linear):
 
 # a rank whose last step was shorter keeps its own threads when it may take more (StepPlan.threads): the
 # engine's, aggregator's and HTTP processes need the node's cores more than a step that short gains from them
-# (the measurements behind it: bench/README.md, engine_bench.py)
+# (the measurements behind it: bench/README.md, engine_bench.py). Counted in thread-seconds (the step's time
+# times the threads it ran on), so the choice is the same on either side of it: a lone sequence's decode step
+# of SmolLM2 takes ~30 ms on two threads and ~42 on one, and by its time alone it flipped every step.
 SHARE_CORES_MIN_S = 0.03
 
 
 def set_cpu_threads(offered: int, own: int, last_step_s: float) -> None:
     """This process's CPU threads for a rank's step: the `offered` cores (StepPlan.threads) after a step long
-    enough to gain from them, else the rank's `own`."""
-    threads = offered if offered and last_step_s >= SHARE_CORES_MIN_S else max(1, own)
+    enough to gain from them (`last_step_s` on the threads it ran on, this process's now), else the rank's
+    `own`."""
+    work_s = last_step_s * torch.get_num_threads()
+    threads = offered if offered and work_s >= SHARE_CORES_MIN_S else max(1, own)
     if threads != torch.get_num_threads():
         torch.set_num_threads(threads)
