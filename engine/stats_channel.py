@@ -31,8 +31,11 @@ log = logging.getLogger("kvfleet.engine")
 RETRY_S = (0.05, 2.0)  # the pause after a failed call, doubling (engine/backoff.py), and its ceiling
 # At most one ingest call this often: each call costs the aggregator a merge and a checkpoint write to Ray's GCS,
 # so at a step every few milliseconds the calls, not the records, were the cost (bench/engine_bench.py's stats
-# on/off ratio). The first iteration after a quiet spell still goes at once.
-SEND_EVERY_S = 0.05
+# on/off ratio). The first iteration after a quiet spell still goes at once. 0.1 s, not 0.05: a lone request's
+# steps (~40 ms) each took a call, whose two synchronous GCS writes (~90% of the aggregator's time in `ingest`)
+# cost the aggregator, the GCS and the engine ~10 ms of CPU a token beside the rank's two threads on 2 cores;
+# one call every 0.2 s gave TPOT 37-46 ms against 45-55 (bench/README.md). A record reaches readers up to 0.1 s later.
+SEND_EVERY_S = 0.1
 
 
 class StatsChannel:
