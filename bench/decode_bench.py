@@ -9,8 +9,10 @@ step with decode attention read in place by our CPU kernel (workers/cpu_kernels.
 gathering every sequence's blocks (the path before it), alternated in the same process; then a profile of the
 kernel's steps by operator, so what is left shows. With `--prefixes N` the prompts share N prefixes (all but
 their last 64 tokens, reused from the cache), and the kernel's steps with cascade attention (each shared prefix
-attended once per group: workers/paged_batch.py `SharedPrefixes`) are timed against the same without. The rank
-steps on `--threads` (its own threads: a step sets them). Asserts nothing.
+attended once per group: workers/paged_batch.py `SharedPrefixes`) are timed against the same without. Then
+the fused operators and the lone row's matmul of csrc/cpu_ops.cpp against torch's operators, alternated
+(`--seqs 1`: a request alone, the TPOT of vllm_compare's `single`). The rank steps on `--threads` (its own
+threads: a step sets them). Asserts nothing.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch  # noqa: E402
 
 from deployment.settings import Settings  # noqa: E402
 from engine import ranks  # noqa: E402
-from workers import paged_batch  # noqa: E402
+from workers import cpu_kernels, paged_batch  # noqa: E402
 from workers.loader import load_model  # noqa: E402
 from workers.parallel import TPGroup  # noqa: E402
 from workers.sampling_params import SamplingParams  # noqa: E402
@@ -138,6 +140,14 @@ def main() -> None:
         on, off = statistics.median(cascade[True]), statistics.median(cascade[False])
         print(f"  {args.prefixes} shared prefixes: kernel with cascade {on:.1f} ms, without {off:.1f} ms "
               f"({on / off:.2f}x)")
+    fused: dict[bool, list[float]] = {True: [], False: []}
+    for on in (False, True, False, True):
+        cpu_kernels.USE_CPU_OPS = on
+        fused[on] += decode_ms(w, last, args.steps, it)
+        it += args.steps
+    on, off = statistics.median(fused[True]), statistics.median(fused[False])
+    print(f"  fused CPU operators and the lone row's kernel (csrc/cpu_ops.cpp) {on:.1f} ms, torch's operators "
+          f"{off:.1f} ms ({on / off:.2f}x)")
     profile(w, last, it)
 
 
