@@ -165,8 +165,10 @@ def param(shape: tuple[int, ...], shard_dim: int | None) -> nn.Parameter:
 # SmolLM2's linears at 8-16 rows (decode batches) took 0.6-0.7x the time of torch's `linear` alone
 # (bench/linear_bench.py), a 16-sequence decode step of the whole model 0.93x (it reads the KV cache too:
 # decode_bench.py). At one row it is slower on one thread (1.13x) but not on more: torch's `linear` runs a lone
-# row on one thread, oneDNN splits it (0.63x on two, linear_bench.py --rows 1 --threads 2), so a lone row keeps
-# `linear` only on one thread. The packed copy is made on first use and doubles the weights' memory on CPU.
+# row on one thread, oneDNN splits it (0.63x on two, linear_bench.py --rows 1 --threads 2). So a lone row takes
+# csrc/cpu_ops.cpp's `linear_row` where it is built (~0.8x oneDNN's: it reads the weight as it lies), else oneDNN
+# on more than one thread and `linear` on one. The packed copy is made on first use and doubles the weights'
+# memory on CPU.
 PACK_ROWS = 16  # the batch size oneDNN chooses the packed layout for
 _MKLDNN = torch.backends.mkldnn.is_available()
 
