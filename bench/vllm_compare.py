@@ -176,6 +176,9 @@ def main() -> None:
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--kvfleet", action="append", default=[], metavar="SETTING=VALUE",
                     help="a kvfleet setting other than its default (KVFLEET_<SETTING>), e.g. dp=1; repeatable")
+    ap.add_argument("--vllm-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="an environment variable for vLLM's server, e.g. VLLM_CPU_OMP_THREADS_BIND=0-1 (at its "
+                         "defaults vLLM binds its worker to one core and keeps the other for its frontend); repeatable")
     ap.add_argument("--reuse-vllm", action="store_true",
                     help="take vLLM's figures from the last run's results in --work instead of serving it again")
     args = ap.parse_args()
@@ -191,7 +194,8 @@ def main() -> None:
         vllm = serve_and_bench(
             "vllm", [str(bin_dir / "vllm"), "serve", str(model), "--served-model-name", SERVED, "--port",
                      str(VLLM_PORT), "--dtype", "float32", "--max-model-len", "1024"],
-            {"VLLM_CPU_KVCACHE_SPACE": str(KV_GIB), "VLLM_TARGET_DEVICE": "cpu"}, f"http://127.0.0.1:{VLLM_PORT}",
+            {"VLLM_CPU_KVCACHE_SPACE": str(KV_GIB), "VLLM_TARGET_DEVICE": "cpu",
+             **dict(kv.split("=", 1) for kv in args.vllm_env)}, f"http://127.0.0.1:{VLLM_PORT}",
             bin_dir, model, workloads, args.work)
     settings = dict(kv.split("=", 1) for kv in args.kvfleet)
     fields = Settings.model_fields  # the same KV cache in all, split over the ranks
