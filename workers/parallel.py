@@ -12,6 +12,7 @@ can cut the matching slice out of a full checkpoint tensor.
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import time
 from dataclasses import dataclass
@@ -288,19 +289,28 @@ class ReplicatedLinear(Linear):
         return self.matmul(x, self.weight, self.bias)
 
 
-# a rank whose last step was shorter keeps its own threads when it may take more (StepPlan.threads): the
-# engine's, aggregator's and HTTP processes need the node's cores more than a step that short gains from them
-# (the measurements behind it: bench/README.md, engine_bench.py). Counted in thread-seconds (the step's time
-# times the threads it ran on), so the choice is the same on either side of it: a lone sequence's decode step
-# of SmolLM2 takes ~30 ms on two threads and ~42 on one, and by its time alone it flipped every step.
+# a rank whose step will be short keeps its own threads when it may take more (StepPlan.threads): the engine's,
+# aggregator's and HTTP processes need the node's cores more than a step that short gains from them (the
+# measurements behind it: bench/README.md, engine_bench.py). Counted in thread-seconds (the step's time times the
+# threads it ran on), so the choice is the same on either side of it: a lone sequence's decode step of SmolLM2
+# takes ~30 ms on two threads and ~42 on one, and by its time alone it flipped every step.
 SHARE_CORES_MIN_S = 0.03
 
 
-def set_cpu_threads(offered: int, own: int, last_step_s: float) -> None:
-    """This process's CPU threads for a rank's step: the `offered` cores (StepPlan.threads) after a step long
-    enough to gain from them (`last_step_s` on the threads it ran on, this process's now), else the rank's
-    `own`."""
-    work_s = last_step_s * torch.get_num_threads()
+def expected_work_s(last: tuple[float, int] | None, tokens: int) -> float:
+    """A step's thread-seconds, foreseen from `last` (the thread-seconds and tokens of the last step that ran
+    any): as long, or longer in proportion to more tokens (a prompt's prefill after decodes: judged by the
+    step before it, a close-only step of 1 ms, a cold 256-token prefill ran on one thread, 1.8x its time on
+    two). Never shorter for fewer tokens: a decode token costs far more than a prefill's. No step yet: long."""
+    if last is None:
+        return math.inf
+    work_s, last_tokens = last
+    return work_s * max(1.0, tokens / max(1, last_tokens))
+
+
+def set_cpu_threads(offered: int, own: int, work_s: float) -> None:
+    """This process's CPU threads for a rank's step: the `offered` cores (StepPlan.threads) for a step whose
+    foreseen thread-seconds (`expected_work_s`) gain from them, else the rank's `own`."""
     threads = offered if offered and work_s >= SHARE_CORES_MIN_S else max(1, own)
     if threads != torch.get_num_threads():
         torch.set_num_threads(threads)

@@ -26,7 +26,15 @@ from kvcache.events import partial_reuse_worth, reuse_table
 from workers.cpu_kernels import build_all
 from workers.loader import kv_cache_config, load_model
 from workers.model import SeqInput
-from workers.parallel import TPGroup, free_port, group_min, init_tp_group, node_ip, set_cpu_threads
+from workers.parallel import (
+    TPGroup,
+    expected_work_s,
+    free_port,
+    group_min,
+    init_tp_group,
+    node_ip,
+    set_cpu_threads,
+)
 from workers.sampling import make_generator, sample
 from workers.simulated import SimulatedModel
 from workers.step import NewRequest, RankSpec, StepPlan, StepResult, Work
@@ -102,7 +110,7 @@ class RankWorker:
         self.reqs: dict[str, _Req] = {}
         self.model = self.kv = self.layout = None
         self.max_request_tokens = self.vocab_size = 0
-        self.last_step_s = 0.0
+        self.last_work: tuple[float, int] | None = None  # thread-seconds and tokens of the last step that ran any
         self.device = "cuda:0" if spec.device == "cuda" else "cpu"
         if spec.device == "cpu":
             torch.set_num_threads(max(1, spec.num_threads))
@@ -182,7 +190,8 @@ class RankWorker:
         step goes on for the others."""
         t0 = time.perf_counter()
         if self.device == "cpu":
-            set_cpu_threads(plan.threads, self.spec.num_threads, self.last_step_s)
+            tokens = sum(w.num_scheduled_tokens for w in plan.work)
+            set_cpu_threads(plan.threads, self.spec.num_threads, expected_work_s(self.last_work, tokens))
         failed: dict[str, str] = {}
         self._close(plan.close)
         recording = plan.record and self.spec.cache.enable_stats
@@ -196,7 +205,9 @@ class RankWorker:
         if logits is None:
             runs = []
         ran, first_reuse = self._commit(runs, self._sample(runs, logits, failed), failed)
-        step_s = self.last_step_s = time.perf_counter() - t0
+        step_s = time.perf_counter() - t0
+        if runs:
+            self.last_work = (step_s * torch.get_num_threads(), sum(len(tokens) for _, tokens in runs))
         out = StepResult(plan.iteration, ran, deferred, recomputed, suspended, reused, step_s, failed,
                          first_reuse=first_reuse, reused_host=reused_host)
         if recording:
