@@ -6,7 +6,7 @@ slow, so `make venv` builds them, and a CPU rank loads them in its setup), or is
 built (no C++ compiler): the model then runs torch's operators as before.
 - `cpu_decode_kernel()`: csrc/paged_attention.cpp's decode attention; without it the model gathers the
   blocks. GPUs keep the gather path (torch's SDPA kernels there; a paged kernel for them is FlexAttention's
-  or vLLM's, not this one).
+  or vLLM's, not this one). `cpu_paged_write()`: the same file's writer of a step's new K and V.
 - `cpu_ops()`: csrc/cpu_ops.cpp, a forward pass's norms, residual adds, rope and silu * up fused, and the
   matmul of a lone row (a single sequence's decode step) at the memory's speed. GPUs keep torch's operators.
 """
@@ -27,14 +27,15 @@ CSRC = Path(__file__).with_name("csrc")
 # the simd pragmas vectorize the dot products and sums without -ffast-math's other liberties; -fno-math-errno
 # lets the softmax's exp vectorize (glibc's libmvec)
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
-OPS = ["linear_row", "rms_norm", "add_rms_norm_", "rope_", "silu_mul"]
+OPS = ["linear_row", "rms_norm", "add_rms_norm_", "rope_", "silu_mul", "sample_rows"]
 
 
 def _build(name: str, source: str, functions: list[str], cflags: list[str]) -> Any:
     from torch.utils.cpp_extension import load_inline
 
+    text = (CSRC / source).read_text().replace('#include "vec_exp.h"', (CSRC / "vec_exp.h").read_text())
     try:
-        return load_inline(name, cpp_sources=[(CSRC / source).read_text()], functions=functions,
+        return load_inline(name, cpp_sources=[text], functions=functions,
                            extra_cflags=cflags, extra_ldflags=["-fopenmp"])
     except Exception as e:  # no compiler, or a build error: torch's operators still work
         log.warning("CPU kernels %s not built (%s): the model runs torch's operators instead", source,
@@ -43,10 +44,20 @@ def _build(name: str, source: str, functions: list[str], cflags: list[str]) -> A
 
 
 @functools.cache
+def _paged_module() -> Any:
+    return _build("kvfleet_paged_attention", "paged_attention.cpp", ["paged_decode", "paged_write"], CFLAGS)
+
+
 def cpu_decode_kernel() -> Any:
     """`paged_decode(q, k_cache, v_cache, table, lo, len, scale, lse) -> out`, or None (logged once)."""
-    module = _build("kvfleet_paged_attention", "paged_attention.cpp", ["paged_decode"], CFLAGS)
+    module = _paged_module()
     return None if module is None else module.paged_decode
+
+
+def cpu_paged_write() -> Any:
+    """`paged_write(k, v, k_cache, v_cache, slots, offsets)`: new tokens' K and V into their blocks, or None."""
+    module = _paged_module()
+    return None if module is None else module.paged_write
 
 
 USE_CPU_OPS = True  # the fused operators where they apply (benchmarks turn them off to compare)

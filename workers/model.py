@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.config import ModelConfig
-from workers.cpu_kernels import cpu_decode_kernel, cpu_ops_for
+from workers.cpu_kernels import cpu_decode_kernel, cpu_ops_for, cpu_paged_write
 from workers.paged_batch import Batch, DecodePlan, SeqView
 from workers.parallel import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, Stacked, param
 
@@ -180,8 +180,7 @@ class Attention(nn.Module):
         for s in batch.prefills:
             p = batch.plan(s, lc, self.window)
             rows = slice(s.offset, s.offset + s.n)
-            k_cache[p.write_slots, p.write_offsets] = k[rows].to(k_cache.dtype)
-            v_cache[p.write_slots, p.write_offsets] = v[rows].to(v_cache.dtype)
+            self._write(k[rows], v[rows], k_cache, v_cache, p.write_slots, p.write_offsets)
             keys = k_cache[p.read_slots].reshape(-1, self.num_kv_heads, self.head_dim)
             vals = v_cache[p.read_slots].reshape(-1, self.num_kv_heads, self.head_dim)
             keys = keys[p.key_lo : p.key_lo + p.key_len].to(q.dtype).transpose(0, 1)  # [Hkv, L, D]
@@ -199,6 +198,19 @@ class Attention(nn.Module):
             out[rows] = o[0].transpose(0, 1)
         return out
 
+    @staticmethod
+    def _write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+               offsets: torch.Tensor) -> None:
+        """The new tokens' K and V into their blocks: on CPU fp32 by our writer (torch's two-index index_put was
+        ~3% of a 64-sequence decode step), elsewhere by torch."""
+        if k.dtype == k_cache.dtype == torch.float32 and k.device.type == "cpu":
+            write = cpu_paged_write()
+            if write is not None:
+                write(k, v, k_cache, v_cache, slots, offsets)
+                return
+        k_cache[slots, offsets] = k.to(k_cache.dtype)
+        v_cache[slots, offsets] = v.to(v_cache.dtype)
+
     def _decode_attention(
         self,
         q: torch.Tensor,
@@ -212,8 +224,7 @@ class Attention(nn.Module):
         """One query per sequence: write its K/V, then on CPU (fp32) read every sequence's blocks in place with
         our kernel (workers/cpu_kernels.py); elsewhere gather them padded for one SDPA call."""
         rows = d.rows if d.rows.shape[0] < q.shape[0] else slice(None)  # all decodes: views, not index copies
-        k_cache[d.write_slots, d.write_offsets] = k[rows].to(k_cache.dtype)
-        v_cache[d.write_slots, d.write_offsets] = v[rows].to(v_cache.dtype)
+        self._write(k[rows], v[rows], k_cache, v_cache, d.write_slots, d.write_offsets)
         if self.paged_kernel and q.device.type == "cpu" and q.dtype == k_cache.dtype == torch.float32:
             kernel = cpu_decode_kernel()
             if kernel is not None:
@@ -243,20 +254,20 @@ class Attention(nn.Module):
     def _cascade(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, d: DecodePlan,
                  kernel: Any) -> torch.Tensor:
         """Decode attention where groups of the sequences share a prefix's blocks (`d.shared`): the kernel reads
-        each sequence's own keys past its group's prefix, one flash-attention call reads each prefix once for all
-        its group's queries (a kv head's rows: every member's query heads of it), and each member's two parts are
-        merged by their log-sum-exps. The same attention, each shared key read once a step, not once a member."""
+        each sequence's own keys past its group's prefix, and each group's prefix once for all its members'
+        queries (a group one sequence to the kernel, each kv head's queries every member's query heads of it),
+        and each member's two parts are merged by their log-sum-exps. The same attention, each shared key read
+        once a step, not once a member. (Gathering each prefix for torch's flash attention instead was 1.6x this
+        path's time: decode_bench.py --prefixes.)"""
         sp = d.shared
         S, Hq, D = q.shape
         Hkv, G = self.num_kv_heads, Hq // self.num_kv_heads
         lse = torch.empty(S, Hq)
         out = kernel(q, k_cache, v_cache, d.table, sp.suffix_lo, sp.suffix_len, self.scale, lse)
         n, M = sp.members.shape
-        qg = q[sp.members].view(n, M, Hkv, G, D).transpose(1, 2).reshape(n, Hkv, M * G, D)
-        keys = k_cache[sp.slots].view(n, -1, Hkv, D).transpose(1, 2)  # [n, Hkv, P * B, D]
-        vals = v_cache[sp.slots].view(n, -1, Hkv, D).transpose(1, 2)
-        o, lse_p = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            qg, keys, vals, 0.0, False, attn_mask=sp.mask, scale=self.scale)  # fp32 only: the kernel's path
+        qg = q[sp.members].view(n, M, Hkv, G, D).transpose(1, 2).reshape(n, Hkv * M * G, D)
+        lse_p = torch.empty(n, Hkv * M * G)
+        o = kernel(qg, k_cache, v_cache, sp.slots, sp.prefix_lo, sp.prefix_len, self.scale, lse_p)
         o = o.view(n, Hkv, M, G, D).transpose(1, 2).reshape(n, M, Hq, D)[sp.member_valid]  # [members, Hq, D]
         lse_p = lse_p.view(n, Hkv, M, G).transpose(1, 2).reshape(n, M, Hq)[sp.member_valid]
         lse_s = lse[sp.rows]

@@ -66,7 +66,8 @@ class SharedPrefixes:
     then reads a prefix shared by n sequences once, not n times."""
 
     slots: torch.Tensor  # [G, P] the blocks of each group's prefix, padded with slot 0
-    mask: torch.Tensor | None  # [G, 1, 1, P * B] 0 on the group's prefix, -inf past it; None: all are P blocks
+    prefix_lo: torch.Tensor  # [G] int64 zeros: a prefix's keys start at its first block's first token
+    prefix_len: torch.Tensor  # [G] int64: the tokens of each group's prefix
     members: torch.Tensor  # [G, M] each group's sequences (indices into the plan's rows), padded with the first
     member_valid: torch.Tensor  # [G, M] bool: a real member, not padding
     rows: torch.Tensor  # [n] every member's index, in group order (the flattened valid `members`)
@@ -182,14 +183,10 @@ class Batch:
             for m in members:
                 lo[m] = len(prefix) * B
                 length[m] = key_len[m] - len(prefix) * B
-        lens = torch.tensor([len(p) * B for _, p in groups], device=dev)
-        mask = None
-        if any(len(p) != width for _, p in groups):
-            past = torch.arange(width * B, device=dev)[None, :] >= lens[:, None]
-            mask = torch.zeros(past.shape, device=dev).masked_fill(past, float("-inf"))[:, None, None, :]
         return SharedPrefixes(
             slots=torch.tensor([p + [0] * (width - len(p)) for _, p in groups], dtype=torch.long, device=dev),
-            mask=mask,
+            prefix_lo=torch.zeros(len(groups), dtype=torch.long, device=dev),
+            prefix_len=torch.tensor([len(p) * B for _, p in groups], dtype=torch.long, device=dev),
             members=torch.tensor([m + [m[0]] * (most - len(m)) for m, _ in groups], dtype=torch.long, device=dev),
             member_valid=torch.tensor([[True] * len(m) + [False] * (most - len(m)) for m, _ in groups], device=dev),
             rows=torch.tensor([i for m, _ in groups for i in m], dtype=torch.long, device=dev),

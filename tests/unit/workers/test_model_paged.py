@@ -211,6 +211,27 @@ def test_decode_kernel_equals_sdpa_over_a_block_table(block, head_dim, kv_heads,
         torch.testing.assert_close(lse[s], scores.logsumexp(-1).reshape(-1), atol=1e-5, rtol=1e-5)
 
 
+def test_paged_write_puts_each_new_token_where_index_put_does_and_refuses_a_slot_outside_the_cache():
+    from workers.cpu_kernels import cpu_paged_write
+
+    write = cpu_paged_write()
+    assert write is not None
+    g = torch.Generator().manual_seed(3)
+    pool = torch.randn(6, 2, 2, 16, 3, 8, generator=g)  # every layer's K and V of a block in one slot
+    k_cache, v_cache = pool[:, 1, 0], pool[:, 1, 1]
+    qkv = torch.randn(4, (6 + 3 + 3) * 8, generator=g)  # the new tokens' q, k, v side by side
+    k, v = qkv[:, 48:72].view(4, 3, 8), qkv[:, 72:].view(4, 3, 8)
+    slots, offsets = torch.tensor([5, 0, 5, 2]), torch.tensor([0, 15, 1, 7])
+    want = pool.clone()
+    want[:, 1, 0][slots, offsets] = k
+    want[:, 1, 1][slots, offsets] = v
+    write(k, v, k_cache, v_cache, slots, offsets)
+    assert torch.equal(pool, want)  # the other layers' and blocks' bytes untouched
+    with pytest.raises(RuntimeError, match="paged_write: row 1 goes to slot 6 offset 0, outside the cache's 6 slots"):
+        write(k[:2], v[:2], k_cache, v_cache, torch.tensor([0, 6]), torch.tensor([0, 0]))
+    assert torch.equal(pool, want)  # refused before any byte was written
+
+
 def test_a_shared_prefix_attended_once_per_group_gives_the_same_logits(builtin, monkeypatch):
     """Cascade decode attention (paged_batch.SharedPrefixes): sequences reusing a prefix's blocks from the cache,
     in two groups of different prefix lengths and beside one that shares nothing, decode step after step with
