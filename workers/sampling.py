@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from workers.cpu_kernels import cpu_ops_for
 from workers.sampling_params import SamplingParams
 
 # per row: (prompt tokens, output tokens), what the penalties and min_tokens read
@@ -55,19 +56,26 @@ def sample(
         logits = logits.clone()  # the caller's logits stay as they were
         for i in penalized:
             logits[i] = penalize(logits[i], params[i], *histories[i])
-    out = logits.argmax(dim=-1).tolist()
     rows = [i for i, p in enumerate(params) if not p.greedy]
+    if len(rows) < n:
+        out = logits.argmax(dim=-1).tolist()
+    else:  # no greedy row: no argmax over the vocabulary
+        out = [0] * n
     if not rows:
         return out
-    x = logits[rows] / torch.tensor([params[i].temperature for i in rows], device=logits.device)[:, None]
+    x = logits[rows] if len(rows) < n else logits
+    temperature = torch.tensor([params[i].temperature for i in rows], device=logits.device)
     min_p = torch.tensor([params[i].min_p for i in rows], device=logits.device)
     if bool((min_p > 0).any()):
+        x, temperature = x / temperature[:, None], None
         probs = x.softmax(dim=-1)
         x = x.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf"))
     top_k = [params[i].top_k if 0 < params[i].top_k < vocab else vocab for i in rows]
     top_p = [params[i].top_p for i in rows]
     if all(k == vocab for k in top_k) and all(p >= 1 for p in top_p):
-        return _draw(out, rows, x, None, generators)
+        return _draw(out, rows, x, None, generators, temperature)
+    if temperature is not None:
+        x = x / temperature[:, None]
     sorted_x, order = x.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=logits.device)[None, :]
     drop = ranks >= torch.tensor(top_k, device=logits.device)[:, None]
@@ -80,13 +88,12 @@ def sample(
 
 
 def _draw(out: list[int], rows: list[int], x: torch.Tensor, order: torch.Tensor | None,
-          generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row of logits `x` (over the vocabulary, or over `order`'s sorted ids; -inf never drawn)
-    into `out`, by inverting the row's cumulative distribution at one uniform draw: one random number per row
-    from its generator: far cheaper than torch.multinomial with a row's generator, or the Gumbel-max draw's
-    noise for every token (bench/README.md, sampler_bench.py)."""
-    cdf = x.softmax(dim=-1).cumsum_(dim=-1)
-    total = cdf[:, -1]
+          generators: list[torch.Generator | None], temperature: torch.Tensor | None = None) -> list[int]:
+    """One token per row of logits `x` (over the vocabulary, or over `order`'s sorted ids; -inf never drawn;
+    divided by `temperature` first where given) into `out`, by inverting the row's cumulative distribution at
+    one uniform draw: one random number per row from its generator: far cheaper than torch.multinomial with a
+    row's generator, or the Gumbel-max draw's noise for every token (bench/README.md, sampler_bench.py). On
+    CPU fp32 without `order`, csrc/cpu_ops.cpp's `sample_rows` does the rest in one pass a row."""
     u = torch.empty(len(rows), device=x.device)
     shared = [j for j, i in enumerate(rows) if generators[i] is None]
     if shared:  # rows without their own generator: one draw from the global RNG
@@ -94,11 +101,21 @@ def _draw(out: list[int], rows: list[int], x: torch.Tensor, order: torch.Tensor 
     for j, i in enumerate(rows):
         if generators[i] is not None:
             u[j] = torch.rand(1, generator=generators[i], device=x.device)[0]
-    # below the total, so the pick is a token of positive probability: a zero one adds nothing to the sum, and
-    # side="right" passes over every index whose sum equals the one before it
-    u = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-    picks = torch.searchsorted(cdf, u[:, None], side="right").squeeze(1)
-    tokens = (picks if order is None else order.gather(1, picks[:, None]).squeeze(1)).tolist()
+    ops = cpu_ops_for(x) if order is None else None
+    if ops is not None:
+        if temperature is None:
+            temperature = torch.ones(len(rows))
+        tokens = ops.sample_rows(x, temperature.float().contiguous(), u).tolist()
+    else:
+        if temperature is not None:
+            x = x / temperature[:, None]
+        cdf = x.softmax(dim=-1).cumsum_(dim=-1)
+        total = cdf[:, -1]
+        # below the total, so the pick is a token of positive probability: a zero one adds nothing to the sum,
+        # and side="right" passes over every index whose sum equals the one before it
+        u = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+        picks = torch.searchsorted(cdf, u[:, None], side="right").squeeze(1)
+        tokens = (picks if order is None else order.gather(1, picks[:, None]).squeeze(1)).tolist()
     for j, i in enumerate(rows):
         out[i] = tokens[j]
     return out

@@ -42,7 +42,30 @@ def test_silu_mul_matches_torch():
     torch.testing.assert_close(ops.silu_mul(gu), F.silu(gu[:, :50]) * gu[:, 50:], atol=1e-6, rtol=1e-6)
 
 
+def test_sample_rows_inverts_each_rows_distribution_at_its_draw_as_torch_does():
+    """At a draw in the middle of a token's share of the row, the same token as the torch path (softmax, cumsum,
+    searchsorted) picks, at each row's temperature; a draw of 0 or next to 1 never lands on a -inf logit."""
+    V = 1000
+    x = rand(3, V)  # every token's share of its row well above fp32's rounding of the running sum
+    temperature = torch.tensor([1.0, 0.7, 2.5])
+    for r in range(3):
+        cdf = (x[r] / temperature[r]).softmax(-1).cumsum(-1)
+        for token in (0, 17, 500, V - 1):
+            lo = cdf[token - 1] if token else torch.tensor(0.0)
+            u = torch.full((3,), float((lo + cdf[token]) / 2 / cdf[-1]))
+            assert ops.sample_rows(x, temperature, u)[r].item() == token
+    masked = torch.full((2, V), float("-inf"))
+    masked[:, [3, 600]] = torch.tensor([[1.0, 2.0], [0.5, -3.0]])
+    for u in (0.0, 1.0 - 2**-24):
+        picks = ops.sample_rows(masked, torch.ones(2), torch.full((2,), u)).tolist()
+        assert picks == ([3, 3] if u == 0 else [600, 600])
+
+
 def test_bad_input_is_refused_with_the_operator_named():
+    with pytest.raises(RuntimeError, match="sample_rows: temperature must be > 0"):
+        ops.sample_rows(rand(2, 8), torch.tensor([1.0, 0.0]), torch.zeros(2))
+    with pytest.raises(RuntimeError, match="sample_rows: temperature and u must be"):
+        ops.sample_rows(rand(2, 8), torch.ones(3), torch.zeros(2))
     with pytest.raises(RuntimeError, match="rms_norm: a CPU float32"):
         ops.rms_norm(rand(2, 8).double(), rand(8), 1e-6)
     with pytest.raises(RuntimeError, match="rope_: 3 heads of 8 do not fit"):
