@@ -1,6 +1,5 @@
 // e^x for 8 floats at a time on AVX2, shared by the kernels of this directory: workers/cpu_kernels.py pastes it
 // where a source includes it (so a change to it rebuilds them).
-#pragma once
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
