@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from workers import cpu_kernels  # noqa: E402
 from workers.parallel import PACK_ROWS  # noqa: E402
 
 LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) of each matmul of a layer
@@ -50,7 +51,8 @@ def main() -> None:
     packed_ws = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS) for w in weights]
     packed_head = torch.ops.mkldnn._reorder_linear_weight(head, PACK_ROWS)
     print(f"{args.layers} layers + LM head, {args.threads} thread(s), median of {args.reps}: ms (layers + head)")
-    print(f"{'rows':>5} {'linear':>16} {'prepacked':>16} {'prepacked/linear':>17}")
+    ops = cpu_kernels.cpu_ops()
+    print(f"{'rows':>5} {'linear':>16} {'prepacked':>16} {'prepacked/linear':>17} {'ours':>16} {'ours/prepacked':>15}")
     for rows in map(int, args.rows.split(",")):
         xs = [torch.randn(rows, w.shape[1]) for w in weights]
         xh = [torch.randn(rows, HEAD[1])]
@@ -61,7 +63,13 @@ def main() -> None:
         with torch.inference_mode():
             a, ah = timed(plain, xs, args.reps), timed(plain_head, xh, args.reps)
             b, bh = timed(packed, xs, args.reps), timed(packed_h, xh, args.reps)
-        print(f"{rows:>5} {a:>8.1f} + {ah:>5.1f} {b:>8.1f} + {bh:>5.1f} {(b + bh) / (a + ah):>16.2f}x")
+        line = f"{rows:>5} {a:>8.1f} + {ah:>5.1f} {b:>8.1f} + {bh:>5.1f} {(b + bh) / (a + ah):>16.2f}x"
+        if ops is not None:  # csrc/cpu_ops.cpp's linear_rows: the weight read once for every row
+            with torch.inference_mode():
+                c = timed([lambda x, w=w: ops.linear_rows(x, w, None) for w in weights], xs, args.reps)
+                ch = timed([lambda x: ops.linear_rows(x, head, None)], xh, args.reps)
+            line += f" {c:>8.1f} + {ch:>5.1f} {(c + ch) / (b + bh):>14.2f}x"
+        print(line)
 
 
 if __name__ == "__main__":

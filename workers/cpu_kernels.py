@@ -27,7 +27,7 @@ CSRC = Path(__file__).with_name("csrc")
 # the simd pragmas vectorize the dot products and sums without -ffast-math's other liberties; -fno-math-errno
 # lets the softmax's exp vectorize (glibc's libmvec)
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
-OPS = ["linear_row", "rms_norm", "add_rms_norm_", "rope_", "silu_mul", "sample_rows"]
+OPS = ["linear_rows", "rms_norm", "add_rms_norm_", "rope_", "silu_mul", "sample_rows"]
 
 
 def _build(name: str, source: str, functions: list[str], cflags: list[str]) -> Any:

@@ -166,11 +166,12 @@ def param(shape: tuple[int, ...], shard_dim: int | None) -> nn.Parameter:
 # SmolLM2's linears at 8-16 rows (decode batches) took 0.6-0.7x the time of torch's `linear` alone
 # (bench/linear_bench.py), a 16-sequence decode step of the whole model 0.93x (it reads the KV cache too:
 # decode_bench.py). At one row it is slower on one thread (1.13x) but not on more: torch's `linear` runs a lone
-# row on one thread, oneDNN splits it (0.63x on two, linear_bench.py --rows 1 --threads 2). So a lone row takes
-# csrc/cpu_ops.cpp's `linear_row` where it is built (~0.8x oneDNN's: it reads the weight as it lies), else oneDNN
-# on more than one thread and `linear` on one. The packed copy is made on first use and doubles the weights'
-# memory on CPU.
+# row on one thread, oneDNN splits it (0.63x on two, linear_bench.py --rows 1 --threads 2). So up to SMALL_ROWS
+# rows take csrc/cpu_ops.cpp's `linear_rows` where it is built (it reads the weight as it lies, once for every
+# row: 0.77-0.87x oneDNN's at 1-8 rows on two threads, 0.97x at 12, 1.04x at 16), else oneDNN on more than one
+# thread or row and `linear` on one. The packed copy is made on first use and doubles the weights' memory on CPU.
 PACK_ROWS = 16  # the batch size oneDNN chooses the packed layout for
+SMALL_ROWS = 8
 _MKLDNN = torch.backends.mkldnn.is_available()
 
 
@@ -183,10 +184,10 @@ class Matmul:
     def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if not (w.device.type == "cpu" and w.dtype == torch.float32 and x.dtype == torch.float32):
             return F.linear(x, w, bias)
-        if x.shape[0] == 1 and w.is_contiguous():
+        if x.shape[0] <= SMALL_ROWS and w.is_contiguous():
             ops = cpu_ops_for(x)
-            if ops is not None:  # a lone row: our kernel reads the weight at the memory's speed
-                return ops.linear_row(x, w, bias)
+            if ops is not None:  # a small batch: our kernel reads the weight once, at the memory's speed
+                return ops.linear_rows(x, w, bias)
         if not (_MKLDNN and (x.shape[0] > 1 or torch.get_num_threads() > 1)):
             return F.linear(x, w, bias)
         key = (w.data_ptr(), w._version)  # weights loaded or tied after the copy was made invalidate it

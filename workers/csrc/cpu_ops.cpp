@@ -42,51 +42,80 @@ inline float hsum(__m256 v) {
 }
 #endif
 
-// y[r] = w[r, :] . x for rows [r0, r1): four weight rows at a time, each read once, in order
-void dot_rows(const float* x, const float* w, int64_t n, int64_t r0, int64_t r1, float* y) {
+#if defined(__AVX2__) && defined(__FMA__)
+// y[i][r + k] = w[r + k, :] . x[i] for k < 4 weight rows and i < NX input rows (x[i] at x + i * ldx): 4 * NX
+// accumulators in registers, each weight chunk loaded once for the NX rows (a lone row's sums are the same
+// whatever NX its batch takes: each accumulates its products in the same order)
+template <int NX>
+inline void dot_tile4(const float* x, int64_t ldx, const float* w0, int64_t n, float* y, int64_t ldy,
+                      const float* next) {
+  const int64_t n8 = n - n % 8;
+  __m256 a[NX][4];
+  for (int i = 0; i < NX; ++i)
+    for (int k = 0; k < 4; ++k) a[i][k] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < n8; c += 8) {
+    if (next != nullptr && c % 16 == 0)  // the next 4 weight rows on their way while these are summed
+      for (int k = 0; k < 4; ++k) _mm_prefetch(reinterpret_cast<const char*>(next + k * n + c), _MM_HINT_T0);
+    __m256 xc[NX];
+    for (int i = 0; i < NX; ++i) xc[i] = _mm256_loadu_ps(x + i * ldx + c);
+    for (int k = 0; k < 4; ++k) {
+      const __m256 wk = _mm256_loadu_ps(w0 + k * n + c);
+      for (int i = 0; i < NX; ++i) a[i][k] = _mm256_fmadd_ps(wk, xc[i], a[i][k]);
+    }
+  }
+  for (int i = 0; i < NX; ++i)
+    for (int k = 0; k < 4; ++k) {
+      float s = hsum(a[i][k]);
+      for (int64_t c = n8; c < n; ++c) s += w0[k * n + c] * x[i * ldx + c];
+      y[i * ldy + k] = s;
+    }
+}
+#endif
+
+// y[i][r] = w[r, :] . x[i] for weight rows [r0, r1) and the R input rows: four weight rows at a time, each read
+// from memory once for every input row (three at a time from cache)
+void dot_rows(const float* x, int64_t ldx, int64_t R, const float* w, int64_t n, int64_t r0, int64_t r1, float* y,
+              int64_t ldy) {
   int64_t r = r0;
 #if defined(__AVX2__) && defined(__FMA__)
-  const int64_t n8 = n - n % 8;
   for (; r + 4 <= r1; r += 4) {
     const float* w0 = w + r * n;
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t c = 0; c < n8; c += 8) {
-      const __m256 xc = _mm256_loadu_ps(x + c);
-      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + c), xc, a0);
-      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + n + c), xc, a1);
-      a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + 2 * n + c), xc, a2);
-      a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + 3 * n + c), xc, a3);
-    }
-    float s[4] = {hsum(a0), hsum(a1), hsum(a2), hsum(a3)};
-    for (int64_t c = n8; c < n; ++c)
-      for (int k = 0; k < 4; ++k) s[k] += w0[k * n + c] * x[c];
-    for (int k = 0; k < 4; ++k) y[r + k] = s[k];
+    const float* next = r + 8 <= r1 ? w0 + 4 * n : nullptr;  // prefetched by the first input rows' pass
+    int64_t i = 0;
+    for (; i + 3 <= R; i += 3, next = nullptr) dot_tile4<3>(x + i * ldx, ldx, w0, n, y + i * ldy + r, ldy, next);
+    if (R - i == 2) dot_tile4<2>(x + i * ldx, ldx, w0, n, y + i * ldy + r, ldy, next);
+    if (R - i == 1) dot_tile4<1>(x + i * ldx, ldx, w0, n, y + i * ldy + r, ldy, next);
   }
 #endif
   for (; r < r1; ++r) {
-    float s = 0.f;
     const float* wr = w + r * n;
+    for (int64_t i = 0; i < R; ++i) {
+      const float* xi = x + i * ldx;
+      float s = 0.f;
 #pragma omp simd reduction(+ : s)
-    for (int64_t c = 0; c < n; ++c) s += wr[c] * x[c];
-    y[r] = s;
+      for (int64_t c = 0; c < n; ++c) s += wr[c] * xi[c];
+      y[i * ldy + r] = s;
+    }
   }
 }
 
 }  // namespace
 
-// x [1, in] @ w[out, in]^T (+ bias): one row, split by output rows over the threads
-torch::Tensor linear_row(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
-  check_rows(x, "linear_row");
-  TORCH_CHECK(x.size(0) == 1 && w.scalar_type() == torch::kFloat32 && w.is_contiguous() && w.dim() == 2 &&
-                  w.size(1) == x.size(1),
-              "linear_row: x [1, in] and a contiguous float32 w [out, in] are needed");
-  const int64_t out_f = w.size(0), in_f = w.size(1);
-  auto y = torch::empty({1, out_f}, x.options());
+// x [R, in] @ w[out, in]^T (+ bias) for a few rows (a small decode batch), split by output rows over the threads:
+// the weight read from memory once, where oneDNN's matmul at 2-16 rows ran at ~half the memory's speed
+// (linear_bench.py)
+torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  check_rows(x, "linear_rows");
+  TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.is_contiguous() && w.dim() == 2 && w.size(1) == x.size(1),
+              "linear_rows: x [rows, in] and a contiguous float32 w [out, in] are needed");
+  const int64_t R = x.size(0), out_f = w.size(0), in_f = w.size(1);
+  auto y = torch::empty({R, out_f}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
   at::parallel_for(0, (out_f + 3) / 4, 64, [&](int64_t b, int64_t e) {
-    dot_rows(xp, wp, in_f, b * 4, std::min(out_f, e * 4), yp);
+    dot_rows(xp, ldx, R, wp, in_f, b * 4, std::min(out_f, e * 4), yp, out_f);
   });
   if (bias.has_value() && bias->defined()) y.add_(*bias);
   return y;

@@ -70,8 +70,8 @@ def test_bad_input_is_refused_with_the_operator_named():
         ops.rms_norm(rand(2, 8).double(), rand(8), 1e-6)
     with pytest.raises(RuntimeError, match="rope_: 3 heads of 8 do not fit"):
         ops.rope_(rand(2, 16), 3, 8, rand(2, 8), rand(2, 8))
-    with pytest.raises(RuntimeError, match="linear_row: x \\[1, in\\]"):
-        ops.linear_row(rand(2, 8), rand(4, 8), None)
+    with pytest.raises(RuntimeError, match="linear_rows: x \\[rows, in\\]"):
+        ops.linear_rows(rand(2, 8), rand(4, 9), None)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])  # rope fused, and rope after q/k norms (torch's)

@@ -21,7 +21,7 @@ def filled(layer: torch.nn.Module, seed: int) -> torch.nn.Module:
 
 def test_a_batch_goes_through_the_packed_weight_and_matches_linear():
     layer = filled(ColumnParallelLinear(64, 96, bias=True), 0)
-    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(parallel.SMALL_ROWS + 1, 64, generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         y = layer(x)
     assert layer.matmul._packed is not None  # the batch took the packed path
@@ -36,6 +36,19 @@ def test_a_lone_row_takes_our_row_kernel_and_matches_linear():
         y = layer(x)
     assert layer.matmul._packed is None  # not oneDNN's copy: the kernel reads the weight itself
     torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [2, 3, 7, parallel.SMALL_ROWS])  # its groups of three rows, and the rest
+def test_a_small_batch_takes_our_kernel_and_each_row_is_what_it_would_be_alone(rows):
+    layer = filled(ColumnParallelLinear(67, 99, bias=True), 0)
+    x = torch.randn(rows, 67, generator=torch.Generator().manual_seed(rows))
+    with torch.inference_mode():
+        y = layer(x)
+        alone = [layer(x[i : i + 1]) for i in range(rows)]
+    assert layer.matmul._packed is None
+    torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias), atol=1e-4, rtol=1e-5)
+    for i in range(rows):  # batch-invariant: a row's sums in the same order whatever its batch
+        assert torch.equal(y[i : i + 1], alone[i])
 
 
 def test_without_our_kernel_a_lone_row_takes_linear_on_one_thread_and_onednn_on_more(monkeypatch):
