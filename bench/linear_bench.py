@@ -1,12 +1,13 @@
-"""The linear layers of a decode step on CPU: torch's `linear` against the oneDNN-prepacked weight the model's
-linears use for batches (workers/parallel.py `Matmul`), in process, one thread.
+"""The linear layers of a decode step on CPU: torch's `linear`, the oneDNN-prepacked weight the model's linears
+use for batches, and csrc/cpu_ops.cpp's `linear_rows` they use up to `SMALL_ROWS` rows (workers/parallel.py
+`Matmul`), in process, one thread by default.
 
     python bench/linear_bench.py [--rows 1,4,8,16,32,64,256] [--threads 1]
 
 SmolLM2-135M's shapes (30 layers of stacked q/k/v 960x576, o 576x576, stacked gate/up 3072x576, down 576x1536,
 and the LM head 49152x576), a different random weight per layer so the step reads ~0.5 GB as a model's does.
 Prints, per batch of rows, the median milliseconds of the 30 layers and of the LM head each way, and the
-ratio prepacked / linear. Asserts nothing.
+ratios prepacked / linear and ours / prepacked (ours where the kernel builds). Asserts nothing.
 """
 
 from __future__ import annotations
