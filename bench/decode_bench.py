@@ -10,9 +10,9 @@ gathering every sequence's blocks (the path before it), alternated in the same p
 kernel's steps by operator, so what is left shows. With `--prefixes N` the prompts share N prefixes (all but
 their last 64 tokens, reused from the cache), and the kernel's steps with cascade attention (each shared prefix
 attended once per group: workers/paged_batch.py `SharedPrefixes`) are timed against the same without. Then
-the fused operators and the lone row's matmul of csrc/cpu_ops.cpp against torch's operators, alternated
-(`--seqs 1`: a request alone, the TPOT of vllm_compare's `single`). The rank steps on `--threads` (its own
-threads: a step sets them). Asserts nothing.
+csrc/cpu_ops.cpp's operators (fused norms, rope and silu, the matmul of up to 8 rows, the sampler's draw) against
+torch's, alternated (`--seqs 1`: a request alone, the TPOT of vllm_compare's `single`). The rank steps on
+`--threads` (its own threads: a step sets them). Asserts nothing.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def main() -> None:
         fused[on] += decode_ms(w, last, args.steps, it)
         it += args.steps
     on, off = statistics.median(fused[True]), statistics.median(fused[False])
-    print(f"  fused CPU operators and the lone row's kernel (csrc/cpu_ops.cpp) {on:.1f} ms, torch's operators "
+    print(f"  csrc/cpu_ops.cpp's operators (fused, small-batch matmul, sampler) {on:.1f} ms, torch's operators "
           f"{off:.1f} ms ({on / off:.2f}x)")
     profile(w, last, it)
 
