@@ -7,8 +7,9 @@ built (no C++ compiler): the model then runs torch's operators as before.
 - `cpu_decode_kernel()`: csrc/paged_attention.cpp's decode attention; without it the model gathers the
   blocks. GPUs keep the gather path (torch's SDPA kernels there; a paged kernel for them is FlexAttention's
   or vLLM's, not this one). `cpu_paged_write()`: the same file's writer of a step's new K and V.
-- `cpu_ops()`: csrc/cpu_ops.cpp, a forward pass's norms, residual adds, rope and silu * up fused, and the
-  matmul of a lone row (a single sequence's decode step) at the memory's speed. GPUs keep torch's operators.
+- `cpu_ops()`: csrc/cpu_ops.cpp, a forward pass's norms, residual adds, rope and silu * up fused, the matmul
+  of a small decode batch (up to 8 rows) at the memory's speed, and the sampler's draw. GPUs keep torch's
+  operators.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ log = logging.getLogger("kvfleet.worker")
 
 CSRC = Path(__file__).with_name("csrc")
 # -fopenmp: at::parallel_for is OpenMP in torch's CPU builds, and without the flag it runs on one thread;
-# the simd pragmas vectorize the dot products and sums without -ffast-math's other liberties; -fno-math-errno
-# lets the softmax's exp vectorize (glibc's libmvec)
+# the simd pragmas vectorize the dot products and sums without -ffast-math's other liberties. glibc declares
+# no vector expf without -ffast-math, so the AVX2 paths take csrc/vec_exp.h's exp (pasted in by `_build`)
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 OPS = ["linear_rows", "rms_norm", "add_rms_norm_", "rope_", "silu_mul", "sample_rows"]
 
