@@ -10,7 +10,7 @@ gathering every sequence's blocks (the path before it), alternated in the same p
 kernel's steps by operator, so what is left shows. With `--prefixes N` the prompts share N prefixes (all but
 their last 64 tokens, reused from the cache), and the kernel's steps with cascade attention (each shared prefix
 attended once per group: workers/paged_batch.py `SharedPrefixes`) are timed against the same without. Then
-csrc/cpu_ops.cpp's operators (fused norms, rope and silu, the matmul of up to 8 rows, the sampler's draw) against
+csrc/cpu_ops.cpp's operators (fused norms, rope and silu, the matmul of up to 16 rows, the sampler's draw) against
 torch's, alternated (`--seqs 1`: a request alone, the TPOT of vllm_compare's `single`). The rank steps on
 `--threads` (its own threads: a step sets them). Asserts nothing.
 """

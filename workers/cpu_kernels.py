@@ -8,7 +8,7 @@ built (no C++ compiler): the model then runs torch's operators as before.
   blocks. GPUs keep the gather path (torch's SDPA kernels there; a paged kernel for them is FlexAttention's
   or vLLM's, not this one). `cpu_paged_write()`: the same file's writer of a step's new K and V.
 - `cpu_ops()`: csrc/cpu_ops.cpp, a forward pass's norms, residual adds, rope and silu * up fused, the matmul
-  of a small decode batch (up to 8 rows) at the memory's speed, and the sampler's draw. GPUs keep torch's
+  of a small decode batch (up to 16 rows) at the memory's speed, and the sampler's draw. GPUs keep torch's
   operators.
 """
 

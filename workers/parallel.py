@@ -168,10 +168,10 @@ def param(shape: tuple[int, ...], shard_dim: int | None) -> nn.Parameter:
 # decode_bench.py). At one row it is slower on one thread (1.13x) but not on more: torch's `linear` runs a lone
 # row on one thread, oneDNN splits it (0.63x on two, linear_bench.py --rows 1 --threads 2). So up to SMALL_ROWS
 # rows take csrc/cpu_ops.cpp's `linear_rows` where it is built (it reads the weight as it lies, once for every
-# row: 0.77-0.87x oneDNN's at 1-8 rows on two threads, 0.97x at 12, 1.04x at 16), else oneDNN on more than one
-# thread or row and `linear` on one. The packed copy is made on first use and doubles the weights' memory on CPU.
+# row: 0.78-0.92x oneDNN's at 1-16 rows on two threads, 1.03x at 20, 1.17x at 32), else oneDNN on more than
+# one thread or row and `linear` on one. The packed copy is made on first use and doubles the weights' memory on CPU.
 PACK_ROWS = 16  # the batch size oneDNN chooses the packed layout for
-SMALL_ROWS = 8
+SMALL_ROWS = 16
 _MKLDNN = torch.backends.mkldnn.is_available()
 
 

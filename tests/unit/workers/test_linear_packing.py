@@ -38,7 +38,8 @@ def test_a_lone_row_takes_our_row_kernel_and_matches_linear():
     torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias), atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [2, 3, 7, parallel.SMALL_ROWS])  # its groups of three rows, and the rest
+# up to three rows, tiles of four weight rows; more, of two weight rows and six input rows, and the rest
+@pytest.mark.parametrize("rows", [2, 3, 7, 13, parallel.SMALL_ROWS])
 def test_a_small_batch_takes_our_kernel_and_each_row_is_what_it_would_be_alone(rows):
     layer = filled(ColumnParallelLinear(67, 99, bias=True), 0)
     x = torch.randn(rows, 67, generator=torch.Generator().manual_seed(rows))
