@@ -86,6 +86,9 @@ def start(workers: dict[str, tuple[int, dict[str, float]]],
 
     for key, value in GCS_MALLOC_ENV.items():  # the head's processes inherit this process's environment
         os.environ.setdefault(key, value)
+    # Serve's own controller loop, as a RayService's head has it (not build_app's 0.5 s for `serve run`),
+    # whether or not a test built an app first
+    os.environ["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] = "0.1"
     head = {CONTROL: 1000} if head_resources is None else head_resources
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "resources": head, "object_store_memory": OBJECT_STORE, "include_dashboard": False,

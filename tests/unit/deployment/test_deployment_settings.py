@@ -159,3 +159,18 @@ def test_fleet_routing_names_serves_routers():
     assert parse_settings({"model": "random", "engine_replicas": 2}).engine_config(0).kv_events.always
     with pytest.raises(ValueError, match="fleet_routing"):
         parse_settings({"fleet_routing": "kv_magic"})
+
+
+def test_build_app_slows_serves_controller_loop_for_the_cluster_serve_run_starts(monkeypatch):
+    """`serve run` builds the app and then starts Ray, whose processes inherit the builder's environment: the
+    controller's loop at 0.5 s (deployment/build.py CONTROLLER_ENV), unless the operator set one."""
+    from deployment.build import CONTROLLER_ENV
+
+    name = "RAY_SERVE_CONTROL_LOOP_INTERVAL_S"
+    assert CONTROLLER_ENV == {name: "0.5"}
+    monkeypatch.delenv(name, raising=False)
+    build_app({})
+    assert os.environ[name] == "0.5"
+    monkeypatch.setenv(name, "0.2")
+    build_app({})
+    assert os.environ[name] == "0.2"
