@@ -63,10 +63,9 @@ def ray_cluster():
     """A local Ray cluster shared by every test that needs Ray (logical CPUs > cores: actors mostly wait)."""
     import ray
 
-    # Serve's own controller loop (0.1 s), not the 0.5 s build_app sets for a cluster `serve run` starts
-    # (deployment/build.py CONTROLLER_ENV), whichever test built an app first: the suite deploys many apps,
-    # and each deploy waits a few controller loops
-    os.environ["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] = "0.1"
+    from tests.support.e2e_fixtures import keep_serves_controller_loop
+
+    keep_serves_controller_loop()
     if not ray.is_initialized():
         ray.init(
             # always a cluster of its own: without an address ray.init() joins the cluster named in

@@ -5,6 +5,7 @@ people's clusters may hold Serve's default 8000), and deleted at the end of the 
 """
 
 import contextlib
+import os
 import pathlib
 import socket
 import subprocess
@@ -18,6 +19,13 @@ E2E_APP_NAME = "kvfleet-e2e"
 E2E_SETTINGS = {"model": "random", "dp": "2", "num_cpus_per_rank": "0.5", "max_seq_len": "256",
                 "max_tokens_default": "8"}
 START_TIMEOUT_S = 300
+
+
+def keep_serves_controller_loop() -> None:
+    """A test cluster started after this runs Serve's own controller loop (0.1 s), as a RayService's head has it,
+    not the 0.5 s build_app sets for a cluster `serve run` starts (deployment/build.py CONTROLLER_ENV), whichever
+    test built an app first: the suite deploys many apps, and each deploy waits a few controller loops."""
+    os.environ["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] = "0.1"
 
 
 def free_port() -> int:

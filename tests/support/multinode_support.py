@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from tests.support.e2e_fixtures import free_port, wait_healthy
+from tests.support.e2e_fixtures import free_port, keep_serves_controller_loop, wait_healthy
 
 CONTROL = "kvfleet_control"  # what the head advertises for the Serve replicas and the aggregators
 OBJECT_STORE = 80 * 1024 * 1024  # per node: the random model moves little through the object store
@@ -86,9 +86,7 @@ def start(workers: dict[str, tuple[int, dict[str, float]]],
 
     for key, value in GCS_MALLOC_ENV.items():  # the head's processes inherit this process's environment
         os.environ.setdefault(key, value)
-    # Serve's own controller loop, as a RayService's head has it (not build_app's 0.5 s for `serve run`),
-    # whether or not a test built an app first
-    os.environ["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] = "0.1"
+    keep_serves_controller_loop()
     head = {CONTROL: 1000} if head_resources is None else head_resources
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "resources": head, "object_store_memory": OBJECT_STORE, "include_dashboard": False,
