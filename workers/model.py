@@ -192,6 +192,7 @@ class Attention(nn.Module):
                 keys[None],
                 vals[None],
                 attn_mask=p.mask,
+                is_causal=p.causal,
                 scale=self.scale,
                 enable_gqa=self.num_heads != self.num_kv_heads,
             )

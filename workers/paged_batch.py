@@ -40,7 +40,8 @@ class AttnPlan:
     read_slots: torch.Tensor  # [nb] slots covering key positions [read_lo_block * B, ...)
     key_lo: int  # first key position read, relative to read_lo_block * B
     key_len: int
-    mask: torch.Tensor | None  # [n, key_len] bool, True = attend; None = the one query sees every key
+    mask: torch.Tensor | None  # [n, key_len] bool, True = attend; None = every key (one query) or `causal`
+    causal: bool = False  # a whole prompt from position 0 (key_len == n): SDPA's is_causal, no mask
 
 
 @dataclass
@@ -225,7 +226,10 @@ class Batch:
         q_pos = s.positions[:, None]
         k_pos = torch.arange(lo, end, device=dev)[None, :]
         mask: torch.Tensor | None = None
-        if s.n > 1:  # one query sees exactly keys [lo, start]: no mask needed
+        # a prompt from position 0 that fits its window: the plain causal mask, which SDPA's flash kernel on CPU
+        # applies by skipping the blocks above the diagonal (the same result; 0.6x the time at 1,024 tokens)
+        causal = s.n > 1 and s.start == 0 and (window is None or s.n <= window)
+        if s.n > 1 and not causal:  # (one query sees exactly keys [lo, start]: no mask needed)
             mask = k_pos <= q_pos
             if window is not None:
                 mask &= k_pos > q_pos - window
@@ -236,4 +240,5 @@ class Batch:
             key_lo=lo - first_block * B,
             key_len=end - lo,
             mask=mask,
+            causal=causal,
         )

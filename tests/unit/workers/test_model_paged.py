@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.support.model_support import greedy, make_manager, step
+from tests.support.model_support import greedy, make_manager, step, teacher_forced_logits
 from workers.loader import load_model
 from workers.model import SeqInput
 from workers.model_setting import load_tokenizer
@@ -267,3 +267,27 @@ def test_a_shared_prefix_attended_once_per_group_gives_the_same_logits(builtin, 
     assert cascades and set(cascades) == {5}  # both groups' members, every step, on the full-attention layers
     for a, b in zip(logits[True], logits[False], strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_a_prompt_from_position_0_attends_causally_without_a_mask_and_gives_the_masked_logits(builtin, monkeypatch):
+    """A whole prompt from position 0 takes SDPA's is_causal (no mask built); a prompt in chunks masks every
+    chunk after the first. Every position's logits agree, the sliding layer's window (64) included."""
+    import workers.model as model_module
+
+    model, cfg = builtin
+    tokens = (PROMPT * 4)[:60]  # within the window: the window does not shape the mask
+    calls = []
+    real = F.scaled_dot_product_attention
+
+    def sdpa(*args, **kwargs):
+        calls.append((kwargs.get("is_causal", False), kwargs.get("attn_mask") is not None))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model_module.F, "scaled_dot_product_attention", sdpa)
+    whole = teacher_forced_logits(model, make_manager(cfg, max_seq_len=256, reuse=False), tokens, [60])
+    assert calls and all(causal and not masked for causal, masked in calls[:cfg.num_layers])
+    calls.clear()
+    chunked = teacher_forced_logits(model, make_manager(cfg, max_seq_len=256, reuse=False), tokens, [7, 20, 33])
+    first, later = calls[:cfg.num_layers], calls[cfg.num_layers:2 * cfg.num_layers]
+    assert all(c and not m for c, m in first) and all(m and not c for c, m in later)
+    torch.testing.assert_close(whole, chunked, atol=1e-5, rtol=1e-5)
