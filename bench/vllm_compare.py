@@ -107,17 +107,27 @@ def start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
                             start_new_session=True, cwd=ROOT)
 
 
-def stop(proc: subprocess.Popen) -> None:
-    """SIGINT to the server's process group (what Ctrl-C sends), SIGKILL after a minute."""
+def stop(proc: subprocess.Popen, url: str, timeout_s: float = 120) -> None:
+    """SIGINT to the server's process group (what Ctrl-C sends), SIGKILL after a minute; then wait until nothing
+    answers on `url`. A server started right after on the same port (`--rounds`) must not find the last one's
+    HTTP proxy still up: it once answered the next server's readiness check and then 404'd a whole workload."""
     for sig, wait_s in ((signal.SIGINT, 60), (signal.SIGKILL, 30)):
         try:
             os.killpg(proc.pid, sig)
             proc.wait(wait_s)
-            return
+            break
         except ProcessLookupError:
-            return
+            break
         except subprocess.TimeoutExpired:
             continue
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        try:
+            httpx.get(url, timeout=5)
+        except httpx.TransportError:  # refused: the port is free
+            return
+        time.sleep(1.0)
+    raise RuntimeError(f"{url} still answers {timeout_s:.0f} s after its server was stopped")
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> float:
@@ -169,7 +179,7 @@ def serve_and_bench(name: str, cmd: list[str], env: dict, url: str, bin_dir: Pat
         (work / f"{name}-greedy.json").write_text(json.dumps(results["greedy"]))
         return results
     finally:
-        stop(proc)
+        stop(proc, url)
 
 
 METRICS = (("output_throughput", "output tok/s"), ("median_ttft_ms", "TTFT p50 ms"), ("median_tpot_ms", "TPOT p50 ms"))
