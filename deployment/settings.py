@@ -193,6 +193,10 @@ class Settings(BaseSettings):
         "engine's output reader spin on their channels, even when the engine is idle; bench/step_bench.py "
         "measures both)"
     )
+    async_scheduling: bool = Field(
+        True, description="send a step that only decodes before the last step's result is back, each rank "
+        "appending the token it sampled itself, so the engine's turn between steps (~3 ms on CPU) overlaps the "
+        "ranks' step, as vLLM's async scheduling does (actor_calls only; bench/README.md)")
 
     @model_validator(mode="before")
     @classmethod

@@ -67,6 +67,7 @@ class EngineConfig:
     max_group_restarts: int = 3
     restart_backoff_s: float = 0.5
     step_transport: str = "actor_calls"
+    async_scheduling: bool = True
     engine_resource: str = ""  # the aggregator asks for a sliver of it, as the engine's replica does
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)

@@ -55,10 +55,10 @@ from engine.scheduler import (
     share_cores,
 )
 from engine.stats_channel import StatsChannel
-from engine.transport import StepFailure, Transport, step_all
+from engine.transport import StepFailure, Transport, send_step
 from workers.model_setting import check_model, load_tokenizer
 from workers.sampling_params import SamplingParams
-from workers.step import StepResult
+from workers.step import LAST_SAMPLED, StepPlan, StepResult, Work
 
 log = logging.getLogger("kvfleet.engine")
 
@@ -300,38 +300,59 @@ class Engine(EngineLifecycle, GroupRecovery):
 
     async def _steps(self) -> None:
         idle = 0  # steps in a row in which nothing moved
+        ahead: tuple[list, asyncio.Future] | None = None  # the next step, already sent (`_send_ahead`)
+        failed: set[int] = set()  # the groups whose step failed in the iteration before
+        unplanned: set[int] = set()  # those, and the groups whose step went otherwise than planned
         while True:
-            await self._wake.wait()
-            cap = prefill_cap(self._groups, self.config.max_prefill_tokens_while_decoding)
-            plans = [None if g.down else plan_group(g, self.iteration, self.config,
-                                                    self.placement.cached_tokens, cap)
-                     for g in self._groups]
-            if self._cores:
-                share_cores(plans, self._groups, self._cores, max(1, int(self.config.num_cpus_per_rank)))
-            if not any(p is not None and (p.new or p.work or p.close) for p in plans):
-                self._wake.clear()
-                continue
-            self.hub.plan(plans)
-            self._changed.clear()
+            if ahead is None:
+                await self._wake.wait()
+                cap = prefill_cap(self._groups, self.config.max_prefill_tokens_while_decoding)
+                plans = [None if g.down else plan_group(g, self.iteration, self.config,
+                                                        self.placement.cached_tokens, cap)
+                         for g in self._groups]
+                if self._cores:
+                    share_cores(plans, self._groups, self._cores, max(1, int(self.config.num_cpus_per_rank)))
+                if not any(p is not None and (p.new or p.work or p.close) for p in plans):
+                    self._wake.clear()
+                    continue
+                self.hub.plan(plans)
+                self._changed.clear()
+                sent = send_step(self.transport, len(self.workers), plans, self.config.tp)
+                stale: set[int] = set()
+            else:  # sent before the last step's result: a group that failed there failed this one too
+                (plans, sent), stale = ahead, failed
             prompt_tokens = sum(w.num_scheduled_tokens for p in plans if p is not None for w in p.work
                                 if w.new_token_id is None)
             began = time.monotonic()
-            results, deltas, missing = await step_all(self.transport, len(self.workers), plans,
-                                                            self.config.tp)
+            ahead = self._send_ahead(plans, unplanned)
+            results, deltas, missing = await sent
             if prompt_tokens:
                 self._prefill.append((prompt_tokens, time.monotonic() - began))
             self._completed = 0
             progress = False
+            failed, unplanned = set(), set()
             for dp, res in enumerate(results):
+                if dp in stale:
+                    continue
                 if isinstance(res, StepFailure):
+                    failed.add(dp)
+                    unplanned.add(dp)
                     self._group_failed(dp, res)
                     progress = True
                 elif res is not None:
                     progress = progress or bool(res.ran or res.failed)
+                    if res.failed or res.deferred or res.recomputed or res.suspended:
+                        unplanned.add(dp)
                     self.hub.observe(dp, res)
                     self.routing_record.observe(dp, res, self._requests)
                     self.recorder.step(dp, res, self._requests)
                     self._apply(self._groups[dp], res)
+            if ahead is not None:  # the ranks append what they sampled now themselves (LAST_SAMPLED)
+                for p in ahead[0]:
+                    for w in p.work if p is not None else ():
+                        req = self._requests.get(w.request_id)
+                        if req is not None:
+                            req.new_token_id = None
             requests = self.recorder.take(self._groups)
             if self.stats is not None:
                 engine = engine_stats(self._groups, plans, self.config, self._completed)
@@ -341,12 +362,46 @@ class Engine(EngineLifecycle, GroupRecovery):
             self.steps += 1
             if self.error:
                 return
-            if progress:
+            if progress or ahead is not None:
                 idle = 0
                 continue
             idle += 1
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), backoff_s(idle, *NO_PROGRESS_PAUSE_S))
+
+    def _send_ahead(self, plans: list[StepPlan | None], unplanned: set[int]) -> tuple[list, asyncio.Future] | None:
+        """Async scheduling (`async_scheduling`): send the next step now, before this one's result, so each rank
+        starts it the moment this one ends and the engine's turn between steps (its result back, the next plan
+        out: ~3 ms a step on CPU, bench/README.md) no longer stands between them. Only where it can be planned
+        without this step's result: every group only decodes, and none has anything waiting, to close, or that
+        went otherwise than planned in the step before (`unplanned`). Its work is this step's decodes, each with
+        the token its rank samples now (LAST_SAMPLED), less the requests that this step's token ends by length;
+        one that a stop token ends the rank drops itself (Work.stop_ids)."""
+        if not (self.config.async_scheduling and getattr(self.transport, "pipelined", False)) or unplanned \
+                or self._closing or len(self._orphans):
+            return None
+        eos = tuple(self.tokenizer.eos_token_ids)
+        ahead: list[StepPlan | None] = []
+        for g, p in zip(self._groups, plans, strict=True):
+            if p is None:
+                ahead.append(None)
+                continue
+            if g.down is not None or g.waiting or g.to_close or p.new or p.close or p.kv_resync:
+                return None
+            work = []
+            for w in p.work:
+                req = self._requests.get(w.request_id)
+                if w.new_token_id is None or w.num_scheduled_tokens != 1 or req is None or req.done:
+                    return None
+                if len(req.generated) + 1 < req.max_tokens:
+                    params = req.params
+                    stops = frozenset(params.stop_token_ids if params.ignore_eos else (*eos, *params.stop_token_ids))
+                    work.append(Work(req.id, 1, LAST_SAMPLED, stops))
+            ahead.append(StepPlan(p.iteration + 1, work=work, record=p.record, kv_events=p.kv_events,
+                                  threads=p.threads))
+        if not any(p is not None and p.work for p in ahead):
+            return None
+        return ahead, send_step(self.transport, len(self.workers), ahead, self.config.tp)
 
     def _finish_failed(self, g: Group, req: Request, error: BaseException) -> None:
         g.finish(req)

@@ -20,6 +20,7 @@ import contextlib
 import logging
 import pickle
 import threading
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -41,7 +42,11 @@ Outcome = StepResult | BaseException | None
 
 
 class Transport(Protocol):
+    pipelined: bool  # submit() sends at once, behind any step still running: async scheduling may send ahead
+
     async def step(self, plans: list[StepPlan | None]) -> list[Outcome]: ...
+
+    def submit(self, plans: list[StepPlan | None]) -> Awaitable[list[Outcome]]: ...
 
     def replace(self, workers: list[ActorHandle | None]) -> None: ...
 
@@ -60,14 +65,20 @@ class StepFailure:
         return isinstance(self.error, ray.exceptions.RayActorError)
 
 
-async def step_all(transport: Any, world_size: int, plans: list[StepPlan | None],
+def send_step(transport: Any, world_size: int, plans: list[StepPlan | None],
+              tp: int) -> asyncio.Future[tuple[list, list, tuple[int, ...]]]:
+    """Send every rank of each dp group that has a plan its group's plan, now (a pipelined transport queues it
+    behind a step still running). The future gives, per group: tp rank 0's result (with every tp rank's failed
+    requests), or the failure of a rank whose step raised (a dead rank first), or None; then every rank's stats
+    delta, and the ranks that gave none (not stepped, or failed)."""
+    answers = transport.submit([plans[r // tp] for r in range(world_size)])
+    return asyncio.ensure_future(_collect(answers, world_size, plans, tp))
+
+
+async def _collect(answers: Awaitable[list[Outcome]], world_size: int, plans: list[StepPlan | None],
                    tp: int) -> tuple[list, list, tuple[int, ...]]:
-    """Step every rank of each dp group that has a plan, with its group's plan, through `transport`
-    (engine/transport.py). Per group: tp rank 0's result (with every tp rank's failed requests), or the
-    failure of a rank whose step raised (a dead rank first), or None; then every rank's stats delta, and the
-    ranks that gave none (not stepped, or failed)."""
     stepped = [rank for rank in range(world_size) if plans[rank // tp] is not None]
-    answers = await transport.step([plans[r // tp] for r in range(world_size)])
+    answers = await answers
     outs = [answers[r] for r in stepped]
     results: list = [None] * len(plans)
     deltas = [out.delta for out in outs if isinstance(out, StepResult) and out.delta is not None]
@@ -100,23 +111,38 @@ def _no_actor(rank: int) -> ray.exceptions.RayActorError:
 
 
 class ActorCalls:
-    """One `step.remote(plan)` per stepped rank, gathered: the driver's work grows with the ranks stepped."""
+    """One `step.remote(plan)` per stepped rank, gathered: the driver's work grows with the ranks stepped. A rank
+    runs its calls in the order sent, so a step sent before the last one's result is back queues behind it."""
+
+    pipelined = True
 
     def __init__(self, workers: list[ActorHandle | None]) -> None:
         self.workers = list(workers)
 
     async def step(self, plans: list[StepPlan | None]) -> list[Outcome]:
-        out: list[Outcome] = [None] * len(plans)
-        ranks = [r for r, p in enumerate(plans) if p is not None]
-        calls = [self._call(r, plans[r]) for r in ranks]
-        for r, res in zip(ranks, await asyncio.gather(*calls, return_exceptions=True), strict=True):
-            out[r] = res
-        return out
+        return await self.submit(plans)
 
-    async def _call(self, rank: int, plan: StepPlan) -> StepResult:
+    def submit(self, plans: list[StepPlan | None]) -> asyncio.Future[list[Outcome]]:
+        """Send every rank its plan now (`.remote()` here, not in a task that starts later: the order of the
+        steps sent is the order they run in); the future gathers the answers."""
+        ranks = [r for r, p in enumerate(plans) if p is not None]
+        calls = [asyncio.ensure_future(self._call(r, plans[r])) for r in ranks]
+
+        async def gather() -> list[Outcome]:
+            out: list[Outcome] = [None] * len(plans)
+            for r, res in zip(ranks, await asyncio.gather(*calls, return_exceptions=True), strict=True):
+                out[r] = res
+            return out
+
+        return asyncio.ensure_future(gather())
+
+    def _call(self, rank: int, plan: StepPlan) -> Awaitable[StepResult]:
         if self.workers[rank] is None:
-            raise _no_actor(rank)
-        return await self.workers[rank].step.remote(plan)
+            return _raise(_no_actor(rank))
+        try:
+            return self.workers[rank].step.remote(plan)
+        except Exception as e:  # an answer like any other: the step loop judges it
+            return _raise(e)
 
     def replace(self, workers: list[ActorHandle | None]) -> None:
         self.workers = list(workers)
@@ -165,8 +191,15 @@ def _kept_step(worker: Any, seq: int, timeout_s: float) -> Outcome | str:
         _Kept.lock.release()
 
 
+async def _raise(error: BaseException) -> Any:
+    raise error
+
+
 class CompiledGraph:
-    """One compiled graph over the live ranks; one `execute_async` per step."""
+    """One compiled graph over the live ranks; one `execute_async` per step. Not pipelined: its recovery
+    (`_recover`) asks the ranks about one execution at a time."""
+
+    pipelined = False
 
     def __init__(self, workers: list[ActorHandle | None], timeout_s: float = STEP_TIMEOUT_S) -> None:
         self.workers = list(workers)
@@ -191,6 +224,9 @@ class CompiledGraph:
             f.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._loop_ended = asyncio.ensure_future(asyncio.wait(loops, return_when=asyncio.FIRST_COMPLETED))
         log.info("compiled the step graph over ranks %s", self._members)
+
+    def submit(self, plans: list[StepPlan | None]) -> asyncio.Future[list[Outcome]]:
+        return asyncio.ensure_future(self.step(plans))
 
     async def step(self, plans: list[StepPlan | None]) -> list[Outcome]:
         out: list[Outcome] = [None] * len(plans)

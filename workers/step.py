@@ -51,14 +51,22 @@ class NewRequest:
     block_keys: list[int] | None = None  # the prompt's full blocks' keys (kvcache.events), computed once
 
 
+# `Work.new_token_id` of a step the engine sent before the last one's result came back (async scheduling): the
+# token this rank sampled for the request in the step just before, which the engine does not know yet.
+LAST_SAMPLED = -1
+
+
 @dataclass
 class Work:
     """Run up to `num_scheduled_tokens` tokens of a request (vLLM's word); `new_token_id` is the token sampled
-    last step (None in prefill), which the rank appends first."""
+    last step (None in prefill), which the rank appends first, or LAST_SAMPLED. With LAST_SAMPLED the rank skips
+    the work when it sampled nothing for the request in the iteration before, or a token in `stop_ids` (the
+    request finished there: the engine's stop rule, engine/scheduler.py apply_result)."""
 
     request_id: str
     num_scheduled_tokens: int
     new_token_id: int | None = None
+    stop_ids: frozenset[int] = frozenset()
 
 
 @dataclass

@@ -37,7 +37,7 @@ from workers.parallel import (
 )
 from workers.sampling import make_generator, sample
 from workers.simulated import SimulatedModel
-from workers.step import NewRequest, RankSpec, StepPlan, StepResult, Work
+from workers.step import LAST_SAMPLED, NewRequest, RankSpec, StepPlan, StepResult, Work
 
 log = logging.getLogger("kvfleet.worker")
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
@@ -71,7 +71,7 @@ def layout_of(kv: KVCacheManager, spec: RankSpec, incarnation: str, node_id: str
 
 class _Req:
     __slots__ = ("id", "tokens", "params", "salt", "num_output_tokens", "device", "kv", "warmup", "prio", "keys",
-                 "first", "prompt_len")
+                 "first", "prompt_len", "last_sampled")
 
     def __init__(self, new: NewRequest, device: str) -> None:
         self.id = new.request_id
@@ -87,6 +87,7 @@ class _Req:
         self.prio = 0
         self.keys = new.block_keys
         self.first = not new.warmup  # its first stats commit is still to come (predicted vs realized)
+        self.last_sampled: tuple[int, int] | None = None  # (iteration, token) sampled and not yet appended
 
     def history(self) -> tuple[list[int], list[int]] | None:
         """(prompt, output) tokens, for the sampler's penalties and min_tokens; None when it has neither."""
@@ -200,11 +201,11 @@ class RankWorker:
         # suspended before this step: those that run in it are resumed (iterResumedRequests); stats only
         was_suspended = self._suspended() if recording else set()
         reused, reused_host, cached = self._open_new(plan.new, failed)
-        runs, deferred, recomputed, suspended = self._make_room(self._scheduled(plan.work))
+        runs, deferred, recomputed, suspended = self._make_room(self._scheduled(plan.iteration, plan.work))
         logits = self._forward(runs, failed)
         if logits is None:
             runs = []
-        ran, first_reuse = self._commit(runs, self._sample(runs, logits, failed), failed)
+        ran, first_reuse = self._commit(plan.iteration, runs, self._sample(runs, logits, failed), failed)
         step_s = time.perf_counter() - t0
         if runs:
             self.last_work = (step_s * torch.get_num_threads(), sum(len(tokens) for _, tokens in runs))
@@ -250,12 +251,26 @@ class RankWorker:
                 cached[level] += tokens
         return reused, reused_host, cached
 
-    def _scheduled(self, work: list[Work]) -> list[Work]:
-        """The plan's work on requests this rank holds, in priority order, with last step's sampled tokens."""
-        order = [w for w in work if w.request_id in self.reqs]
-        for w in order:
-            if w.new_token_id is not None:
-                self.reqs[w.request_id].tokens.append(w.new_token_id)
+    def _scheduled(self, iteration: int, work: list[Work]) -> list[Work]:
+        """The plan's work on requests this rank holds, in priority order, with last step's sampled tokens: the
+        engine's, or (LAST_SAMPLED) the one this rank sampled in the iteration before, unless there was none or
+        it stopped the request (then the work is dropped: the engine finishes or re-plans the request)."""
+        order = []
+        for w in work:
+            req = self.reqs.get(w.request_id)
+            if req is None:
+                continue
+            token = w.new_token_id
+            if token == LAST_SAMPLED:
+                last, req.last_sampled = req.last_sampled, None
+                if last is None or last[0] != iteration - 1 or last[1] in w.stop_ids:
+                    continue
+                token = last[1]
+            elif token is not None:
+                req.last_sampled = None  # the engine sent it
+            if token is not None:
+                req.tokens.append(token)
+            order.append(w)
         return order
 
     def _forward(self, runs: list, failed: dict[str, str]) -> list[torch.Tensor] | None:
@@ -269,10 +284,11 @@ class RankWorker:
                 self._fail(req, e, failed)
             return None
 
-    def _commit(self, runs: list, sampled: dict[int, int],
+    def _commit(self, iteration: int, runs: list, sampled: dict[int, int],
                 failed: dict[str, str]) -> tuple[dict[str, tuple[int, int | None]], dict[str, int]]:
         """Commit what ran and its pending stats: (request -> (history, sampled token)), and the reused blocks
-        of each request's first commit (predicted vs realized placement)."""
+        of each request's first commit (predicted vs realized placement). A sampled token is kept for a next
+        step that names it LAST_SAMPLED."""
         ran: dict[str, tuple[int, int | None]] = {}
         first_reuse: dict[str, int] = {}
         for i, (req, tokens) in enumerate(runs):
@@ -283,7 +299,9 @@ class RankWorker:
             if req.first:
                 req.first = False
                 first_reuse[req.id] = committed.reused_blocks
-            ran[req.id] = (req.kv.history_length, sampled.get(i))
+            token = sampled.get(i)
+            req.last_sampled = None if token is None else (iteration, token)
+            ran[req.id] = (req.kv.history_length, token)
         return ran, first_reuse
 
     def _scheduler_stats(self, step_s: float, runs: list, generating: set[str], deferred: list[str],
