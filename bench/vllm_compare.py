@@ -185,9 +185,20 @@ def serve_and_bench(name: str, cmd: list[str], env: dict, url: str, bin_dir: Pat
 METRICS = (("output_throughput", "output tok/s"), ("median_ttft_ms", "TTFT p50 ms"), ("median_tpot_ms", "TPOT p50 ms"))
 
 
+def failures(result: dict) -> str:
+    """'' when every request of a workload's run completed, else how many failed: its figures compare nothing
+    (a server that answers 404 to all has an output tok/s of 0)."""
+    failed, sent = result.get("failed", 0), result.get("num_prompts", 0)
+    return f"{failed} of {sent} failed" if failed or not result.get("completed") else ""
+
+
 def print_round(vllm: dict, kvfleet: dict, workloads: list[str]) -> None:
     print(f"\n{'workload':<8} {'metric':<16} {'vLLM':>10} {'kvfleet':>10} {'kvfleet/vLLM':>13}")
     for w in workloads:
+        lost = [f"{name}: {failures(r[w])}" for name, r in (("vLLM", vllm), ("kvfleet", kvfleet)) if failures(r[w])]
+        if lost:
+            print(f"{w:<8} requests failed, no figures ({'; '.join(lost)})")
+            continue
         for key, label in METRICS:
             v, k = vllm[w][key], kvfleet[w][key]
             print(f"{w:<8} {label:<16} {v:>10.1f} {k:>10.1f} {k / v:>12.2f}x")
@@ -197,10 +208,15 @@ def print_medians(rounds: list[dict], workloads: list[str]) -> None:
     """Each ratio's median over the rounds, and its range: how far this machine's drift moved it."""
     print(f"\n{len(rounds)} rounds: {'workload':<8} {'metric':<16} {'median':>8} {'range':>15}")
     for w in workloads:
+        whole = [r for r in rounds if not failures(r["vllm"][w]) and not failures(r["kvfleet"][w])]
+        if not whole:
+            print(f"{'':<10}{w:<8} requests failed in every round: no figures")
+            continue
         for key, label in METRICS:
-            ratios = sorted(r["kvfleet"][w][key] / r["vllm"][w][key] for r in rounds)
+            ratios = sorted(r["kvfleet"][w][key] / r["vllm"][w][key] for r in whole)
             print(f"{'':<10}{w:<8} {label:<16} {statistics.median(ratios):>7.2f}x "
-                  f"{ratios[0]:>7.2f}-{ratios[-1]:.2f}x")
+                  f"{ratios[0]:>7.2f}-{ratios[-1]:.2f}x" + (f" ({len(whole)} of {len(rounds)} rounds)"
+                                                          if len(whole) < len(rounds) else ""))
 
 
 def print_greedy(theirs: list[str] | None, ours: list[str], model: Path) -> None:
