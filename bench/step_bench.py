@@ -35,9 +35,14 @@ from workers.step import StepPlan, StepResult  # noqa: E402
 class TimedTransport:
     """Wraps the engine's transport: per step, wall time minus the slowest rank's own compute."""
 
+    pipelined = False  # timed one step at a time: no step is sent before the last one's result (async scheduling)
+
     def __init__(self, inner) -> None:
         self.inner = inner
         self.overheads: list[float] = []
+
+    def submit(self, plans):
+        return asyncio.ensure_future(self.step(plans))
 
     async def step(self, plans):
         t0 = time.perf_counter()

@@ -66,6 +66,10 @@ log = logging.getLogger("kvfleet.engine")
 # A step in which no request ran (every scheduled one found no room) is retried after this pause, doubling up
 # to the maximum, or as soon as something changes (a request arrives, finishes or is aborted): never a busy loop.
 NO_PROGRESS_PAUSE_S = (0.001, 0.25)
+# A step sent ahead (async scheduling) goes this long before the step in flight should end: enough for the hop
+# to the rank (~1 ms on CPU) and a late timer in a busy process, short enough that a request arriving before it
+# is admitted at the next step (bench/README.md, "Fifteenth session").
+AHEAD_MARGIN_S = 0.02
 PREFILL_WINDOW = 64  # the recent steps with prompt work whose rate the load report gives (`prefill_tokens_per_s`)
 DEMAND_WINDOW_S = 10.0  # the arrivals whose uncached prompt tokens a second the load report gives
 
@@ -112,6 +116,7 @@ class Engine(EngineLifecycle, GroupRecovery):
         self.recorder = RequestRecorder(c.served_model_name, c.cache.max_seq_len, c.dp)
         self._prefill = collections.deque(maxlen=PREFILL_WINDOW)  # (prompt tokens, seconds) of recent steps
         self._arrivals = ArrivalRate(DEMAND_WINDOW_S)  # uncached prompt tokens of new requests
+        self._decode_s = 0.0  # the last decode-only step's time on its slowest rank (when to send one ahead)
 
     # ---- requests ----------------------------------------------------------------------------------------------
     @property
@@ -324,8 +329,20 @@ class Engine(EngineLifecycle, GroupRecovery):
             prompt_tokens = sum(w.num_scheduled_tokens for p in plans if p is not None for w in p.work
                                 if w.new_token_id is None)
             began = time.monotonic()
-            ahead = self._send_ahead(plans, unplanned)
+            ahead, later = None, None
+            wait = self._decode_s - AHEAD_MARGIN_S  # the step began about now (an ahead one a little before)
+            if wait <= 0:
+                ahead = self._send_ahead(plans, unplanned)
+            elif self._ahead_plans(plans, unplanned) is not None:
+                later = asyncio.ensure_future(self._send_ahead_after(wait, plans, unplanned))
             results, deltas, missing = await sent
+            if later is not None:  # not sent before this step's result: the next one is planned from it
+                if later.done():
+                    ahead = later.result()
+                else:
+                    later.cancel()
+            if not prompt_tokens:
+                self._decode_s = max((res.step_s for res in results if isinstance(res, StepResult)), default=0.0)
             if prompt_tokens:
                 self._prefill.append((prompt_tokens, time.monotonic() - began))
             self._completed = 0
@@ -369,14 +386,28 @@ class Engine(EngineLifecycle, GroupRecovery):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), backoff_s(idle, *NO_PROGRESS_PAUSE_S))
 
+    async def _send_ahead_after(self, wait: float, plans: list[StepPlan | None],
+                                unplanned: set[int]) -> tuple[list, asyncio.Future] | None:
+        await asyncio.sleep(wait)
+        return self._send_ahead(plans, unplanned)
+
     def _send_ahead(self, plans: list[StepPlan | None], unplanned: set[int]) -> tuple[list, asyncio.Future] | None:
-        """Async scheduling (`async_scheduling`): send the next step now, before this one's result, so each rank
+        """Async scheduling (`async_scheduling`): send the next step before this one's result, so each rank
         starts it the moment this one ends and the engine's turn between steps (its result back, the next plan
-        out: ~3 ms a step on CPU, bench/README.md) no longer stands between them. Only where it can be planned
-        without this step's result: every group only decodes, and none has anything waiting, to close, or that
-        went otherwise than planned in the step before (`unplanned`). Its work is this step's decodes, each with
-        the token its rank samples now (LAST_SAMPLED), less the requests that this step's token ends by length;
-        one that a stop token ends the rank drops itself (Work.stop_ids)."""
+        out: ~3 ms a step on CPU, bench/README.md) no longer stands between them. The step loop calls this
+        AHEAD_MARGIN_S before the step in flight should end (by the last decode step's time), not at once: a
+        request that arrives before then is admitted in the next step, not one later."""
+        ahead = self._ahead_plans(plans, unplanned)
+        if ahead is None:
+            return None
+        return ahead, send_step(self.transport, len(self.workers), ahead, self.config.tp)
+
+    def _ahead_plans(self, plans: list[StepPlan | None], unplanned: set[int]) -> list[StepPlan | None] | None:
+        """The plans of the step after `plans`, if it can be planned without their result: every group only
+        decodes, and none has anything waiting, to close, or that went otherwise than planned in the step
+        before (`unplanned`). Its work is these decodes, each with the token its rank samples now
+        (LAST_SAMPLED), less the requests that this step's token ends by length; one that a stop token ends
+        the rank drops itself (Work.stop_ids)."""
         if not (self.config.async_scheduling and getattr(self.transport, "pipelined", False)) or unplanned \
                 or self._closing or len(self._orphans):
             return None
@@ -401,7 +432,7 @@ class Engine(EngineLifecycle, GroupRecovery):
                                   threads=p.threads))
         if not any(p is not None and p.work for p in ahead):
             return None
-        return ahead, send_step(self.transport, len(self.workers), ahead, self.config.tp)
+        return ahead
 
     def _finish_failed(self, g: Group, req: Request, error: BaseException) -> None:
         g.finish(req)

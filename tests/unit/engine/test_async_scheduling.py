@@ -165,3 +165,33 @@ def test_steps_sent_ahead_where_the_cache_runs_out_give_the_tokens_of_steps_sent
         assert all(len(out) == 40 for out in runs[True])
 
     run(main())
+
+
+def test_a_request_that_arrives_during_a_step_is_admitted_in_the_next_one():
+    """A step goes ahead only shortly before the one in flight ends (by the last decode step's time): a request
+    that arrives before then is in the very next step, not one later, and steps still go ahead without one."""
+    async def main():
+        eng = await make_engine()
+        steps = record_steps(eng)
+        for rank in eng.workers:  # steps of 50 ms, as the rank measures them
+            real = rank.step.remote
+
+            async def slow(plan, real=real):
+                await asyncio.sleep(0.05)
+                res = await real(plan)
+                res.step_s = 0.05
+                return res
+
+            rank.step = types.SimpleNamespace(remote=slow)
+        first = eng.generate("first", PROMPTS[0], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+        for _ in range(5):
+            await anext(first)
+        in_flight = eng.iteration  # the step after the one whose token just came, already sent
+        second = asyncio.ensure_future(generate(eng, PROMPTS[1], max_tokens=3, temperature=0.0))
+        rest = [ev async for ev in first]
+        await second
+        admitted = next(plan.iteration for plan, _ in steps if any(n.request_id != "first" for n in plan.new))
+        assert admitted == in_flight + 1
+        assert len(rest) == 7 and sent_ahead(steps) > 0
+
+    run(main())
