@@ -335,12 +335,14 @@ class Engine(EngineLifecycle, GroupRecovery):
                 ahead = self._send_ahead(plans, unplanned)
             elif self._ahead_plans(plans, unplanned) is not None:
                 later = asyncio.ensure_future(self._send_ahead_after(wait, plans, unplanned))
-            results, deltas, missing = await sent
-            if later is not None:  # not sent before this step's result: the next one is planned from it
-                if later.done():
-                    ahead = later.result()
-                else:
+            try:
+                results, deltas, missing = await sent
+            finally:  # not sent before this step's result (or the loop stops): the next one is planned from it
+                if later is not None and not later.done():
                     later.cancel()
+                    later = None
+            if later is not None:
+                ahead = later.result()
             if not prompt_tokens:
                 self._decode_s = max((res.step_s for res in results if isinstance(res, StepResult)), default=0.0)
             if prompt_tokens:
