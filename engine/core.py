@@ -305,7 +305,7 @@ class Engine(EngineLifecycle, GroupRecovery):
 
     async def _steps(self) -> None:
         idle = 0  # steps in a row in which nothing moved
-        ahead: tuple[list, asyncio.Future] | None = None  # the next step, already sent (`_send_ahead`)
+        ahead: tuple[list, asyncio.Future] | None = None  # the next step, already sent (`_ahead_plans`)
         failed: set[int] = set()  # the groups whose step failed in the iteration before
         unplanned: set[int] = set()  # those, and the groups whose step went otherwise than planned
         while True:
@@ -331,10 +331,11 @@ class Engine(EngineLifecycle, GroupRecovery):
             began = time.monotonic()
             ahead, later = None, None
             wait = self._decode_s - AHEAD_MARGIN_S  # the step began about now (an ahead one a little before)
-            if wait <= 0:
-                ahead = self._send_ahead(plans, unplanned)
-            elif self._ahead_plans(plans, unplanned) is not None:
-                later = asyncio.ensure_future(self._send_ahead_after(wait, plans, unplanned))
+            nxt = self._ahead_plans(plans, unplanned)
+            if nxt is not None and wait <= 0:
+                ahead = nxt, send_step(self.transport, len(self.workers), nxt, self.config.tp)
+            elif nxt is not None:
+                later = asyncio.ensure_future(self._send_ahead_after(wait, nxt))
             try:
                 results, deltas, missing = await sent
             finally:  # not sent before this step's result (or the loop stops): the next one is planned from it
@@ -343,10 +344,10 @@ class Engine(EngineLifecycle, GroupRecovery):
                     later = None
             if later is not None:
                 ahead = later.result()
-            if not prompt_tokens:
-                self._decode_s = max((res.step_s for res in results if isinstance(res, StepResult)), default=0.0)
             if prompt_tokens:
                 self._prefill.append((prompt_tokens, time.monotonic() - began))
+            else:
+                self._decode_s = max((res.step_s for res in results if isinstance(res, StepResult)), default=0.0)
             self._completed = 0
             progress = False
             failed, unplanned = set(), set()
@@ -388,21 +389,23 @@ class Engine(EngineLifecycle, GroupRecovery):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), backoff_s(idle, *NO_PROGRESS_PAUSE_S))
 
-    async def _send_ahead_after(self, wait: float, plans: list[StepPlan | None],
-                                unplanned: set[int]) -> tuple[list, asyncio.Future] | None:
-        await asyncio.sleep(wait)
-        return self._send_ahead(plans, unplanned)
-
-    def _send_ahead(self, plans: list[StepPlan | None], unplanned: set[int]) -> tuple[list, asyncio.Future] | None:
+    async def _send_ahead_after(self, wait: float, ahead: list[StepPlan | None]) -> tuple[list, asyncio.Future] | None:
         """Async scheduling (`async_scheduling`): send the next step before this one's result, so each rank
         starts it the moment this one ends and the engine's turn between steps (its result back, the next plan
-        out: ~3 ms a step on CPU, bench/README.md) no longer stands between them. The step loop calls this
-        AHEAD_MARGIN_S before the step in flight should end (by the last decode step's time), not at once: a
-        request that arrives before then is admitted in the next step, not one later."""
-        ahead = self._ahead_plans(plans, unplanned)
-        if ahead is None:
+        out: ~3 ms a step on CPU, bench/README.md) no longer stands between them. Sent AHEAD_MARGIN_S before
+        the step in flight should end (by the last decode step's time), not at once: a request that arrives
+        before then is admitted in the next step, not one later. Nothing is sent if one did arrive, or one
+        was aborted (it is then to close), meanwhile."""
+        await asyncio.sleep(wait)
+        if not self._may_go_ahead():
             return None
         return ahead, send_step(self.transport, len(self.workers), ahead, self.config.tp)
+
+    def _may_go_ahead(self) -> bool:
+        """No group has anything waiting or to close, and the engine has no orphans and is not closing."""
+        if self._closing or len(self._orphans):
+            return False
+        return not any(g.waiting or g.to_close for g in self._groups)
 
     def _ahead_plans(self, plans: list[StepPlan | None], unplanned: set[int]) -> list[StepPlan | None] | None:
         """The plans of the step after `plans`, if it can be planned without their result: every group only
@@ -411,7 +414,7 @@ class Engine(EngineLifecycle, GroupRecovery):
         (LAST_SAMPLED), less the requests that this step's token ends by length; one that a stop token ends
         the rank drops itself (Work.stop_ids)."""
         if not (self.config.async_scheduling and getattr(self.transport, "pipelined", False)) or unplanned \
-                or self._closing or len(self._orphans):
+                or not self._may_go_ahead():
             return None
         eos = tuple(self.tokenizer.eos_token_ids)
         ahead: list[StepPlan | None] = []
@@ -419,7 +422,7 @@ class Engine(EngineLifecycle, GroupRecovery):
             if p is None:
                 ahead.append(None)
                 continue
-            if g.down is not None or g.waiting or g.to_close or p.new or p.close or p.kv_resync:
+            if g.down is not None or p.new or p.close or p.kv_resync:
                 return None
             work = []
             for w in p.work:

@@ -37,6 +37,12 @@ def record_steps(eng) -> list:
     return steps
 
 
+async def released(eng) -> None:
+    """Until the engine settles; then its rank holds no request and no block."""
+    await settled(eng)
+    assert eng.rank_workers[0].kv.get_kv_cache_stats().used_num_blocks == 0 and not eng.rank_workers[0].reqs
+
+
 def sent_ahead(steps) -> int:
     return sum(1 for plan, _ in steps if any(w.new_token_id == LAST_SAMPLED for w in plan.work))
 
@@ -103,8 +109,7 @@ def test_a_step_that_raises_with_one_sent_ahead_fails_the_running_requests_and_t
             await generate(eng, PROMPTS[0], max_tokens=30, temperature=0.0, ignore_eos=True)
         assert raised
         assert await generate(eng, PROMPTS[1], max_tokens=6, temperature=0.0) == want
-        await settled(eng)
-        assert eng.rank_workers[0].kv.get_kv_cache_stats().used_num_blocks == 0 and not eng.rank_workers[0].reqs
+        await released(eng)
         assert sent_ahead(steps) > 0
 
     run(main())
@@ -122,8 +127,7 @@ def test_an_abort_while_steps_go_ahead_frees_the_request_and_the_others_keep_the
             await anext(stream)
         await stream.aclose()  # the client went away: aborted, with a step already sent ahead
         assert await other == want
-        await settled(eng)
-        assert eng.rank_workers[0].kv.get_kv_cache_stats().used_num_blocks == 0 and not eng.rank_workers[0].reqs
+        await released(eng)
         assert sent_ahead(steps) > 0
 
     run(main())
