@@ -167,7 +167,8 @@ def test_a_graceful_shutdown_finishes_in_flight_requests_and_removes_every_rank(
     from ray import serve
 
     with cf.ThreadPoolExecutor(2) as pool:
-        run = pool.submit(_complete, app, PROMPTS[3], False)
+        # long enough to be still running at a poll: 40 tokens of the random model can finish between two
+        run = pool.submit(_complete, app, PROMPTS[3], False, max_tokens=160)
         _until("the request running", lambda: _health(app)["engine"]["running"] >= 1, 60)
         t0 = time.monotonic()
         serve.delete(APP)
