@@ -93,5 +93,9 @@ def ray_cluster():
 # once per module (three deployments of the same app)
 from tests.support.e2e_fixtures import serve_app  # noqa: E402, F401
 
+# transformers' reference for the packaged SmolLM2 file (~20 s to load on 2 cores): here for the same reason, so
+# the unit and e2e modules that compare with it share one load
+from tests.support.gguf_support import hf_model, hf_tokenizer, smollm2_path  # noqa: E402, F401
+
 # the HTTP route tests' fake app (module-scoped: one uvicorn server per test module that asks for it)
 from tests.support.http_support import http, server  # noqa: E402, F401

@@ -7,7 +7,7 @@ One extra app (dp 1, tp 1) beside the session's random-model app, under its own 
 import pytest
 
 from tests.support.e2e_fixtures import start_app
-from tests.support.gguf_support import hf_greedy, hf_model, hf_tokenizer, smollm2_path  # noqa: F401  (the session fixtures)
+from tests.support.gguf_support import hf_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +26,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n   ", "Once upon a ti
 
 
 @pytest.fixture(scope="module")
-def oai(ray_cluster, smollm2_path):  # noqa: F811
+def oai(ray_cluster, smollm2_path):
     import openai
     from ray import serve
 
@@ -35,13 +35,13 @@ def oai(ray_cluster, smollm2_path):  # noqa: F811
     serve.delete(APP)
 
 
-def _expect(hf_model, hf_tokenizer, ids: list[int]) -> tuple[str, str, int]:  # noqa: F811
+def _expect(hf_model, hf_tokenizer, ids: list[int]) -> tuple[str, str, int]:
     out = hf_greedy(hf_model, ids, MAX_TOKENS)
     stopped = out[-1] == hf_tokenizer.eos_token_id
     return hf_tokenizer.decode(out, skip_special_tokens=True), "stop" if stopped else "length", len(out)
 
 
-def test_greedy_chat_equals_transformers(oai, hf_model, hf_tokenizer):  # noqa: F811
+def test_greedy_chat_equals_transformers(oai, hf_model, hf_tokenizer):
     for chat in CHATS:
         text = hf_tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
         want, reason, n = _expect(hf_model, hf_tokenizer, hf_tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -53,7 +53,7 @@ def test_greedy_chat_equals_transformers(oai, hf_model, hf_tokenizer):  # noqa: 
                                        ).choices[0].message.content == "The capital of France is Paris."
 
 
-def test_greedy_completions_equal_transformers(oai, hf_model, hf_tokenizer):  # noqa: F811
+def test_greedy_completions_equal_transformers(oai, hf_model, hf_tokenizer):
     for prompt in PROMPTS:
         want, reason, n = _expect(hf_model, hf_tokenizer, hf_tokenizer(prompt)["input_ids"])
         r = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)

@@ -1,13 +1,14 @@
 """The packaged SmolLM2-135M-Instruct GGUF against transformers' own GGUF loader on the same file: the same
 token ids, the same logits (fp32, 1e-3) through chunked prefill and paged decode, the same greedy tokens.
 
-Slow: transformers dequantizes the file itself (~15 s on 2 cores), once per session (gguf_support fixtures).
+Slow: transformers dequantizes the file itself (~15 s on 2 cores), once per session (gguf_support's fixtures,
+registered in conftest.py).
 """
 
 import pytest
 import torch
 
-from tests.support.gguf_support import hf_greedy, hf_model, hf_tokenizer, smollm2_path  # noqa: F401  (the session fixtures)
+from tests.support.gguf_support import hf_greedy
 from tests.support.model_support import greedy, make_manager, teacher_forced_logits
 from workers.loader import load_model
 from workers.model_setting import load_tokenizer
@@ -41,7 +42,7 @@ def tok():
     return load_tokenizer(MODEL)
 
 
-def test_token_ids_equal_transformers(tok, hf_tokenizer):  # noqa: F811
+def test_token_ids_equal_transformers(tok, hf_tokenizer):
     assert tok.eos_token_id == 2 and 2 in tok.eos_token_ids and tok.bos_token_id == 1
     assert tok.vocab_size == len(hf_tokenizer) == 49152
     for text in CORPUS:
@@ -59,7 +60,7 @@ def test_streamed_decoding_round_trips(tok):
         assert "".join(pieces) == tok.decode(tok.encode(text)), text
 
 
-def test_chat_template_equals_transformers(tok, hf_tokenizer):  # noqa: F811
+def test_chat_template_equals_transformers(tok, hf_tokenizer):
     chats = [
         [{"role": "user", "content": "What is the capital of France?"}],
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
@@ -77,7 +78,7 @@ def _prompt(tok, n_words: int) -> list[int]:
     return tok.encode_chat([{"role": "user", "content": f"Summarise: {text}"}])
 
 
-def test_logits_equal_transformers_through_chunked_prefill_and_paged_decode(ours, tok, hf_model):  # noqa: F811
+def test_logits_equal_transformers_through_chunked_prefill_and_paged_decode(ours, tok, hf_model):
     model, cfg = ours
     ids = _prompt(tok, 60)
     ref_ids = ids + hf_greedy(hf_model, ids, 24)  # real continuations, not random tokens
@@ -91,7 +92,7 @@ def test_logits_equal_transformers_through_chunked_prefill_and_paged_decode(ours
     assert got.shape == ref.shape and diff <= 1e-3
 
 
-def test_greedy_generation_equals_transformers(ours, tok, hf_model):  # noqa: F811
+def test_greedy_generation_equals_transformers(ours, tok, hf_model):
     model, cfg = ours
     mgr = make_manager(cfg, tokens_per_block=16, max_seq_len=512, kv_cache_bytes=16 << 20)
     chat = [{"role": "user", "content": "What is the capital of France?"}]
