@@ -22,6 +22,7 @@ pytestmark = pytest.mark.slow  # a real browser
 
 MAX_RECORDS = 2000  # dashboard.js's window
 WAIT_MS = 30_000
+ENGINES_MS = 10_000  # dashboard.js's ENGINES_MS: how often the page asks for the engine list again
 COUNTERS = ("iterReusedBlocks", "iterFullReusedBlocks", "iterPartialReusedBlocks", "iterMissedBlocks")
 BYTES = ("iterOnboardBytes", "iterOffloadBytes", "iterHostDroppedBytes")
 
@@ -374,15 +375,18 @@ def test_the_picker_follows_engines_that_join_and_leave(page):  # noqa: F811
     stop = run_uvicorn(create_api(FakeEngine(), fleet, Settings(model="random", dp=2, tp=1, engine_replicas_max=3)),
                        port)
     try:
+        page.clock.install()  # time flows as usual; fast_forward stands for the picker's 10 s wait
         page.goto(f"http://127.0.0.1:{port}/dashboard")
         wait_for_cursor(page, "scale-0:9")  # a fleet of one keeps the fleet's shape
         fleet.table = {"scale-0": live, "scale-1": live}  # a scale-up
         fleet.sources["scale-1"].push(5)
+        page.clock.fast_forward(ENGINES_MS)
         wait_for_cursor(page, "scale-0:9,scale-1:4")  # the merged stream brings the new engine's records
         options = "() => [...document.getElementById('engine').options].map(o => o.text).join('|')"
         page.wait_for_function(f"() => ({options})() === 'all engines (fleet)|scale-0|scale-1'", timeout=WAIT_MS)
         assert traces(page, "chart-hit") == {"hit rate % · scale-0": 10, "hit rate % · scale-1": 5}
         fleet.table = {"scale-0": live, "scale-1": gone}  # a scale-down: still drawn, marked in the picker
+        page.clock.fast_forward(ENGINES_MS)
         page.wait_for_function(f"() => ({options})() === 'all engines (fleet)|scale-0|scale-1 (gone)'",
                                timeout=WAIT_MS)
         assert traces(page, "chart-hit") == {"hit rate % · scale-0": 10, "hit rate % · scale-1": 5}
