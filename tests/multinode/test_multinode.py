@@ -120,11 +120,13 @@ def test_a_node_lost_under_traffic_loses_no_request_and_its_group_restarts_where
     assert back and _group_nodes(mn.url)[b_group] == mn.node_id("a")
     records = [r for r in _exact(mn.url) if r["iter"] > last]
     outage = [r for r in records if r["missingRanks"]]
-    # the iteration of the loss names the ranks that did not answer it (a rank may have answered just before its
-    # node went), every later one the whole group; each arrives whole: no record waits out a timeout
-    assert len(outage) >= 2 and set(outage[0]["missingRanks"]) <= set(b_ranks)
-    assert set(outage[1]["missingRanks"]) == set(b_ranks) and outage[1]["iter"] == outage[0]["iter"] + 1
-    assert set(outage[1]["reportedRanks"]) == set(range(4)) - set(b_ranks)
+    # the iterations in flight at the loss name the ranks that did not answer them (a rank may have answered just
+    # before its node went): the step being run and, with async scheduling, the one sent ahead of it (engine/core.py).
+    # The next one names the whole group. Each arrives whole: no record waits out a timeout
+    whole = next(i for i, r in enumerate(outage) if set(r["missingRanks"]) == set(b_ranks))
+    assert len(outage) >= 2 and whole <= 2 and all(set(r["missingRanks"]) < set(b_ranks) for r in outage[:whole])
+    assert [r["iter"] for r in outage[:whole + 1]] == list(range(outage[0]["iter"], outage[0]["iter"] + whole + 1))
+    assert set(outage[whole]["reportedRanks"]) == set(range(4)) - set(b_ranks)
     named = datetime.fromisoformat(outage[0]["timestamp"].replace("Z", "+00:00")).timestamp()
     print(f"the first record naming ranks {b_ranks} missing was stepped {named - mn.lost_at:.2f} s after the loss")
 
