@@ -30,7 +30,7 @@ MAX_LEN = 32
                                              min_size=1, max_size=120))
 def test_the_index_equals_the_tree_after_random_workloads(layout, B, host, slots, ops):
     layers = LAYOUTS[layout]
-    probe = KVCacheManager(KVCacheManagerConfig(B, MAX_LEN, layers, 1 << 30, 0))
+    probe = KVCacheManager(KVCacheManagerConfig(B, MAX_LEN, layers, 1 << 20, 0))  # its slot size only
     unit = sum(len(pg.life_cycles) * pg.slot_bytes for pg in probe.pool_groups)
     mgr = KVCacheManager(KVCacheManagerConfig(B, MAX_LEN, layers, unit * slots, unit * host))
     mgr.set_kv_events(True)

@@ -72,7 +72,7 @@ def check(mgr: KVCacheManager, caches: list) -> None:
 def test_random_operations_keep_every_invariant(layout, config, slots, ops):
     B, host_slots, partial, reuse = config
     layers = LAYOUTS[layout]
-    probe = KVCacheManager(KVCacheManagerConfig(B, MAX_LEN, layers, 1 << 30, 0))
+    probe = KVCacheManager(KVCacheManagerConfig(B, MAX_LEN, layers, 1 << 20, 0))  # its slot size only
     unit = sum(len(pg.life_cycles) * pg.slot_bytes for pg in probe.pool_groups)
     mgr = KVCacheManager(KVCacheManagerConfig(B, MAX_LEN, layers, unit * slots, unit * host_slots,
                                               enable_block_reuse=reuse, enable_partial_reuse=partial))
